@@ -1,0 +1,170 @@
+"""Attention over a kvstack cache, registered with transformers as `attn_implementation="kvstack"`.
+
+Each KV head attends over its own kept tokens; masks come from each token's logical slot
+(causality, sliding window, padding), so heads may hold different tokens. Statistics that
+methods need (attention received, the last query's attention) are computed here, only
+when the method stack asks for them, for the queries at hand.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+
+if TYPE_CHECKING:
+    from kvstack.cache.cache import KVCache
+    from kvstack.cache.layer import CompressedLayer
+
+ATTENTION = "kvstack"
+STAT_CHUNK = 256  # queries per chunk when attention probabilities are materialised for statistics
+
+
+@dataclass
+class LayerView:
+    """What `KVCache.update` hands to the attention function: the layer and the new queries' slots."""
+
+    layer: CompressedLayer
+    cache: KVCache
+    query_slots: torch.Tensor  # (q,)
+
+
+def padding_passthrough(
+    batch_size: int,
+    cache_position: torch.Tensor,
+    kv_length: int,
+    kv_offset: int = 0,
+    mask_function: Any = None,
+    attention_mask: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> torch.Tensor | None:
+    """Mask 'builder' for kvstack: pass the 2D padding mask (b, slots) through unchanged."""
+    if attention_mask is None or attention_mask.all():
+        return None
+    return attention_mask.to(torch.bool)
+
+
+def head_mask(
+    key_slots: torch.Tensor, query_slots: torch.Tensor, padding: torch.Tensor | None, window: int | None
+) -> torch.Tensor:
+    """(b or 1, 1, q, t) True where a query may attend a key, from slots alone.
+
+    key_slots: (b, t) or (t,); query_slots: (q,); padding: (b, slots) real-token mask or None.
+    A sliding window counts real tokens, so padding inside a batch does not shift it.
+    """
+    ks = key_slots if key_slots.dim() == 2 else key_slots.unsqueeze(0)
+    k, q = ks[:, None, :], query_slots[None, :, None]
+    allowed = (k <= q) & (k >= 0)
+    if padding is not None:
+        b = padding.shape[0]
+        real = torch.gather(padding, 1, ks.clamp(min=0).expand(b, -1))
+        allowed = allowed & real[:, None, :]
+        if window is not None:
+            index = padding.long().cumsum(-1)  # (b, slots) real tokens up to each slot
+            k_index = torch.gather(index, 1, ks.clamp(min=0).expand(b, -1))[:, None, :]
+            allowed &= k_index > index[:, query_slots][:, :, None] - window
+    elif window is not None:
+        allowed &= k > q - window
+    # a padding query sees nothing: let it see everything rather than produce NaN
+    allowed = allowed | ~allowed.any(-1, keepdim=True)
+    return allowed.unsqueeze(1)
+
+
+def attention_probs(query: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, scaling: float) -> torch.Tensor:
+    """(b, g, q, t) softmax attention in float32 for query (b, g, q, d), keys (b, t, d)."""
+    logits = torch.einsum("bgqd,btd->bgqt", query.float(), keys.float()) * scaling
+    return torch.softmax(logits.masked_fill(~mask, float("-inf")), dim=-1)
+
+
+def kvstack_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: Any,
+    value: Any,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Attention for query (b, h*g, q, d) over a `LayerView` (or plain (b, h, t, d) tensors).
+
+    Returns (b, q, h*g, d) like transformers' own attention functions.
+    """
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if getattr(module, "attn_logit_softcapping", None):
+        raise NotImplementedError("kvstack attention does not support attention logit soft-capping yet")
+    padding = attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None
+    if not isinstance(key, LayerView):  # no cache: plain causal attention over the given tensors
+        t = key.shape[2]
+        slots = torch.arange(t, device=query.device)
+        return _attend(
+            query,
+            [key[:, h] for h in range(key.shape[1])],
+            [value[:, h] for h in range(key.shape[1])],
+            [slots] * key.shape[1],
+            slots[-query.shape[2] :],
+            padding,
+            sliding_window,
+            scale,
+        ), None
+    view = key
+    layer, cache = view.layer, view.cache
+    if padding is not None:
+        cache.seq.padding = padding
+    elif cache.seq.padding is not None:  # a later call without a mask: new tokens are real
+        extra = layer.seen - cache.seq.padding.shape[1]
+        if extra > 0:
+            ones = cache.seq.padding.new_ones(cache.seq.padding.shape[0], extra)
+            cache.seq.padding = torch.cat([cache.seq.padding, ones], dim=1)
+    padding = cache.seq.padding
+    slots = [layer.head_slots(h) for h in range(layer.n_kv_heads)]
+    out = _attend(query, layer.keys, layer.values, slots, view.query_slots, padding, sliding_window, scale)
+    cache.observe(layer, query, view.query_slots, slots, padding, sliding_window, scale)
+    return out, None
+
+
+def _attend(
+    query: torch.Tensor,
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+    slots: list[torch.Tensor],
+    query_slots: torch.Tensor,
+    padding: torch.Tensor | None,
+    window: int | None,
+    scale: float,
+) -> torch.Tensor:
+    """Per KV head h: its group of queries (b, g, q, d) attends its own keys/values (b, t_h, d)."""
+    b, n_q_heads, q, d = query.shape
+    g = n_q_heads // len(keys)
+    out = query.new_empty(b, n_q_heads, q, values[0].shape[-1])
+    for h, (k, v, ks) in enumerate(zip(keys, values, slots, strict=True)):
+        qh = query[:, h * g : (h + 1) * g]
+        plain_causal = (
+            padding is None
+            and window is None
+            and ks.dim() == 1
+            and ks.shape[0] == q
+            and bool(torch.equal(ks, query_slots))
+        )
+        if plain_causal:
+            out[:, h * g : (h + 1) * g] = F.scaled_dot_product_attention(
+                qh, k.unsqueeze(1), v.unsqueeze(1), is_causal=True, scale=scale, enable_gqa=True
+            )
+            continue
+        mask = head_mask(ks, query_slots, padding, window)
+        attn_mask = None if (q == 1 and bool(mask.all())) else mask
+        out[:, h * g : (h + 1) * g] = F.scaled_dot_product_attention(
+            qh, k.unsqueeze(1), v.unsqueeze(1), attn_mask=attn_mask, scale=scale, enable_gqa=True
+        )
+    return out.transpose(1, 2).contiguous()
+
+
+def register() -> None:
+    """Make `attn_implementation="kvstack"` available to every transformers model."""
+    AttentionInterface.register(ATTENTION, kvstack_attention)
+    AttentionMaskInterface.register(ATTENTION, padding_passthrough)

@@ -1,0 +1,244 @@
+"""`KVCache`: the transformers `Cache` that kvstack owns, executing a method stack's decisions.
+
+Use it as `past_key_values` with `model.generate` or plain forward calls on a model loaded
+with `attn_implementation="kvstack"`. After each layer's attention it trims sliding windows
+and, when a head holds more than its budget allows, asks the stack which tokens to keep and
+gathers them into smaller tensors: memory is freed for real and `nbytes()` reads it back.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache
+
+from kvstack.cache.attention import STAT_CHUNK, LayerView, attention_probs, head_mask, register
+from kvstack.cache.budget import Budget, tokens_to_keep
+from kvstack.cache.layer import CompressedLayer, SequenceState
+from kvstack.methods.base import Observation
+from kvstack.methods.select import select
+from kvstack.stack import Stack
+
+register()
+OPEN_END = 2**62
+
+
+def text_config(config: Any) -> Any:
+    """The decoder's config (multimodal configs keep it under `text_config`)."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+class KVCache(Cache):
+    """A compressed KV cache for one model: a method stack under one budget (see module docstring)."""
+
+    def __init__(self, model_or_config: Any, stack: Stack | str = "full", budget: Budget | str | float = 1.0) -> None:
+        config = text_config(getattr(model_or_config, "config", model_or_config))
+        n_layers = config.num_hidden_layers
+        n_heads = config.num_attention_heads
+        n_kv = getattr(config, "num_key_value_heads", None) or n_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_heads
+        scaling = getattr(config, "query_pre_attn_scalar", None) or head_dim
+        layer_types = getattr(config, "layer_types", None) or ["full_attention"] * n_layers
+        self.seq = SequenceState()
+        layers = [
+            CompressedLayer(
+                i,
+                n_layers,
+                n_kv,
+                n_heads // n_kv,
+                scaling**-0.5,
+                config.sliding_window if layer_types[i] == "sliding_attention" else None,
+                self.seq,
+            )
+            for i in range(n_layers)
+        ]
+        super().__init__(layers=layers)
+        self.layers: list[CompressedLayer] = layers
+        self.stack = stack if isinstance(stack, Stack) else Stack.parse(stack)
+        self.budget = Budget.parse(budget)
+        self.timings = {"compress_s": 0.0}
+        self.compressions = 0
+
+    # ---- the transformers Cache API ------------------------------------------------------
+    def update(
+        self,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        layer_idx: int,
+        cache_kwargs: dict[str, Any] | None = None,
+    ) -> tuple[Any, Any]:
+        """Append keys/values (b, h, q, d); return a view the kvstack attention reads."""
+        layer = self.layers[layer_idx]
+        slots = (cache_kwargs or {}).get("cache_position")
+        if slots is None:
+            slots = torch.arange(layer.seen, layer.seen + key_states.shape[2], device=key_states.device)
+        layer.append(key_states, value_states, slots)
+        view = LayerView(layer, self, slots)
+        return view, view
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Logical length (tokens seen), so new tokens get the right positions after eviction."""
+        return self.layers[layer_idx].seen if layer_idx < len(self.layers) else 0
+
+    def get_mask_sizes(self, cache_position: torch.Tensor, layer_idx: int) -> tuple[int, int]:
+        return self.get_seq_length(layer_idx) + cache_position.shape[0], 0
+
+    def get_max_cache_shape(self, layer_idx: int = 0) -> int:
+        return -1
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+    @property
+    def is_initialized(self) -> bool:
+        return all(layer.is_initialized for layer in self.layers)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        for layer in self.layers:
+            layer.select_batch(beam_idx)
+        if self.seq.padding is not None:
+            self.seq.padding = self.seq.padding[beam_idx]
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self.reorder_cache(indices)  # type: ignore[arg-type]
+
+    def crop(self, max_length: int) -> None:
+        raise NotImplementedError("a compressed cache cannot be cropped (assisted decoding is not supported)")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError("a compressed cache cannot be repeated (beam search expansion is not supported)")
+
+    # ---- observation and compression -----------------------------------------------------
+    def observe(
+        self,
+        layer: CompressedLayer,
+        query: torch.Tensor,
+        query_slots: torch.Tensor,
+        slots: list[torch.Tensor],
+        padding: torch.Tensor | None,
+        window: int | None,
+        scale: float,
+    ) -> None:
+        """Called by the attention after layer `layer` attended: record what the stack needs, then compress."""
+        stack = self.stack
+        layer.observe_queries(query.detach(), query_slots, stack.query_window)
+        needs = stack.needs
+        if needs & {"attention_sum", "last_attention"}:
+            g = layer.groups
+            q_real = None
+            if padding is not None:
+                q_real = torch.gather(padding, 1, query_slots.unsqueeze(0).expand(padding.shape[0], -1)).float()
+            for h in range(layer.n_kv_heads):
+                qh = query[:, h * g : (h + 1) * g]
+                if "attention_sum" in needs:
+                    total = torch.zeros(qh.shape[0], layer.head_len(h))
+                    for start in range(0, qh.shape[2], STAT_CHUNK):
+                        end = min(start + STAT_CHUNK, qh.shape[2])
+                        mask = head_mask(slots[h], query_slots[start:end], padding, window)
+                        p = attention_probs(qh[:, :, start:end], layer.keys[h], mask, scale)
+                        if q_real is not None:
+                            p = p * q_real[:, None, start:end, None]
+                        total += p.sum(dim=(1, 2))
+                    layer.add_stat("attention_sum", h, total, accumulate=True)
+                if "last_attention" in needs:
+                    mask = head_mask(slots[h], query_slots[-1:], padding, window)
+                    p = attention_probs(qh[:, :, -1:], layer.keys[h], mask, scale)
+                    layer.add_stat("last_attention", h, p.mean(dim=(1, 2)), accumulate=False)
+        self.maintain(layer, decoding=query.shape[2] == 1)
+
+    def keep_allowed(self, layer: CompressedLayer) -> torch.Tensor:
+        """(b, h) tokens each head may hold now under the budget (exempt tokens come on top)."""
+        b = layer.batch
+        n_full = self.seq.real_counts(layer.seen, b)
+        n_exempt = torch.zeros_like(n_full)
+        for start, end in self.seq.exempt:
+            if min(end, layer.seen) > start:
+                n_exempt += self.seq.real_counts(min(end, layer.seen), b, start)
+        if layer.sliding_window:  # a full sliding layer holds its last window - 1 real tokens
+            n_full = torch.clamp(n_full, max=layer.sliding_window - 1)
+            n_exempt = torch.minimum(n_exempt, n_full)
+        full_bytes = layer.token_bytes(explicit_slots=False)
+        keep = tokens_to_keep(self.budget, n_full - n_exempt, full_bytes, layer.token_bytes())
+        keep = torch.maximum(keep, torch.clamp(n_full - n_exempt, max=self.stack.min_tokens))
+        return (keep + n_exempt).unsqueeze(1).expand(b, layer.n_kv_heads)
+
+    def maintain(self, layer: CompressedLayer, decoding: bool) -> None:
+        """Trim the sliding window, then evict down to the budget if a head exceeds it."""
+        layer.trim_window()
+        method = self.stack.evictor
+        if method is None or self.budget.is_full:
+            return
+        keep = self.keep_allowed(layer)
+        counts = layer.counts()
+        over = counts > keep  # (b, h); heads within budget keep everything (batch-invariant)
+        if not bool(over.any()):
+            return
+        if decoding and method.every > 1:  # evict ahead so the next `every - 1` steps fit
+            keep = torch.maximum(keep - (method.every - 1), torch.clamp(counts, max=self.stack.min_tokens))
+        self.compress_layer(layer, torch.where(over, keep, counts))
+
+    def compress_layer(self, layer: CompressedLayer, keep: torch.Tensor) -> None:
+        """Ask the stack's evictor for scores and keep `keep[b, h]` tokens per head."""
+        method = self.stack.evictor
+        assert method is not None
+        start = time.perf_counter()
+        obs = Observation(layer, keep, self.seq.token_index())
+        scores = method.score(obs)
+        protected = self.seq.is_exempt(obs.slots) if self.seq.exempt else None
+        layer.apply(select(scores, obs.valid, obs.slots, keep, protected))
+        self.timings["compress_s"] += time.perf_counter() - start
+        self.compressions += 1
+
+    @contextmanager
+    def exempt(self) -> Iterator[None]:
+        """Tokens appended inside this block are never evicted and do not count against the budget."""
+        start = self.layers[0].seen
+        self.seq.exempt.append((start, OPEN_END))  # open while inside: its tokens arrive during the block
+        try:
+            yield
+        finally:
+            self.seq.exempt[-1] = (start, self.layers[0].seen)
+
+    # ---- measurement -----------------------------------------------------------------------
+    def nbytes(self) -> int:
+        """Bytes the cache really holds for attention, read off its tensors' storage."""
+        return sum(layer.nbytes() for layer in self.layers)
+
+    def aux_nbytes(self) -> int:
+        """Bytes of method state (observed queries, attention statistics) on top of `nbytes()`."""
+        return sum(layer.aux_nbytes() for layer in self.layers)
+
+    def full_nbytes(self) -> int:
+        """Bytes a plain full cache (transformers' dynamic cache) would hold for the same tokens."""
+        total = 0
+        for layer in self.layers:
+            if not layer.is_initialized:
+                continue
+            held = min(layer.seen, layer.sliding_window - 1) if layer.sliding_window else layer.seen
+            total += layer.batch * layer.n_kv_heads * held * layer.token_bytes(explicit_slots=False)
+        return total
+
+    def stats(self) -> list[dict[str, Any]]:
+        """Per layer and head: tokens held (real ones) and bytes held."""
+        rows = []
+        for layer in self.layers:
+            if not layer.is_initialized:
+                continue
+            counts = layer.counts()
+            for h in range(layer.n_kv_heads):
+                rows.append(
+                    {
+                        "layer": layer.layer_idx,
+                        "head": h,
+                        "sliding": layer.is_sliding,
+                        "tokens": counts[:, h].tolist(),
+                        "slots": layer.head_len(h),
+                        "bytes": layer.head_nbytes(h),
+                    }
+                )
+        return rows

@@ -1,0 +1,240 @@
+"""One layer's KV storage: per KV head its own kept tokens, ragged across heads, no masking.
+
+Each head h holds keys and values (b, t_h, d) and the logical slot of each token (b, t_h).
+Slots stay implicit (a contiguous range, zero bytes) until the first eviction. A slot of -1
+marks an empty place, used only when sequences of one batch keep different counts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kvstack.methods.select import Keep
+
+SLOT_DTYPE = torch.int32
+
+
+def storage_bytes(tensors: list[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind `tensors`: what they really keep alive."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+@dataclass
+class SequenceState:
+    """What all layers share about the sequences: padding and which slots are exempt.
+
+    padding: (b, slots) True for real tokens, None when nothing is padded; exempt: slot ranges
+    [start, end) appended uncompressed (e.g. a question after a query-agnostic compression).
+    """
+
+    padding: torch.Tensor | None = None
+    exempt: list[tuple[int, int]] = field(default_factory=list)
+
+    def real_counts(self, seen: int, batch: int, since: int = 0) -> torch.Tensor:
+        """(b,) real tokens among slots [since, seen)."""
+        if self.padding is None:
+            return torch.full((batch,), max(seen - since, 0), dtype=torch.long)
+        return self.padding[:, since:seen].sum(-1).long()
+
+    def token_index(self) -> torch.Tensor | None:
+        """(b, slots) position of each slot among its sequence's real tokens, or None."""
+        if self.padding is None:
+            return None
+        return (self.padding.long().cumsum(-1) - 1).clamp(min=0)
+
+    def is_exempt(self, slots: torch.Tensor) -> torch.Tensor:
+        """Bool tensor like slots: True for slots inside an exempt range."""
+        out = torch.zeros_like(slots, dtype=torch.bool)
+        for start, end in self.exempt:
+            out |= (slots >= start) & (slots < end)
+        return out
+
+
+class CompressedLayer:
+    """KV storage of one attention layer (see module docstring)."""
+
+    def __init__(
+        self,
+        layer_idx: int,
+        n_layers: int,
+        n_kv_heads: int,
+        groups: int,
+        scaling: float,
+        sliding_window: int | None,
+        seq: SequenceState,
+    ) -> None:
+        self.layer_idx, self.n_layers = layer_idx, n_layers
+        self.n_kv_heads, self.groups, self.scaling = n_kv_heads, groups, scaling
+        self.sliding_window = sliding_window
+        self.is_sliding = sliding_window is not None
+        self.seq = seq
+        self.keys: list[torch.Tensor] = []  # per head (b, t_h, d)
+        self.values: list[torch.Tensor] = []
+        self.slots: list[torch.Tensor] | None = None  # per head (b, t_h) SLOT_DTYPE, None = implicit
+        self.start = 0  # first slot while slots are implicit
+        self.seen = 0  # logical slots appended so far
+        self.queries: torch.Tensor | None = None  # (b, h*g, w, d)
+        self.query_slots: torch.Tensor | None = None  # (w,)
+        self.stats: dict[str, list[torch.Tensor]] = {}  # name -> per head (b, t_h) float32
+
+    # ---- reading -------------------------------------------------------------------------
+    @property
+    def is_initialized(self) -> bool:
+        return bool(self.keys)
+
+    @property
+    def batch(self) -> int:
+        return self.keys[0].shape[0] if self.keys else 0
+
+    def head_len(self, h: int) -> int:
+        return self.keys[h].shape[1]
+
+    def head_slots(self, h: int) -> torch.Tensor:
+        """(b, t_h) long slots of head h (or (t_h,) while implicit)."""
+        if self.slots is None:
+            return torch.arange(self.start, self.seen, device=self.keys[h].device)
+        return self.slots[h].long()
+
+    def dense(self, per_head: list[torch.Tensor], fill: float = 0.0) -> torch.Tensor:
+        """Stack per-head tensors (b, t_h, ...) into (b, h, t_max, ...), padding with `fill`."""
+        t_max = max(x.shape[1] for x in per_head)
+        if all(x.shape[1] == t_max for x in per_head):
+            return torch.stack(per_head, dim=1)
+        out = per_head[0].new_full((per_head[0].shape[0], len(per_head), t_max, *per_head[0].shape[2:]), fill)
+        for h, x in enumerate(per_head):
+            out[:, h, : x.shape[1]] = x
+        return out
+
+    def dense_slots(self) -> torch.Tensor:
+        """(b, h, t_max) long slots, -1 where a head holds fewer tokens."""
+        b = self.batch
+        heads = [self.head_slots(h).expand(b, -1) for h in range(self.n_kv_heads)]
+        return self.dense(heads, fill=-1).long()
+
+    def valid_mask(self, slots: torch.Tensor) -> torch.Tensor:
+        """Bool like slots (b, ..., t): a real token sits there (not empty, not padding)."""
+        ok = slots >= 0
+        pad = self.seq.padding
+        if pad is None:
+            return ok
+        b = slots.shape[0]
+        flat = slots.clamp(min=0).reshape(b, -1)
+        return ok & torch.gather(pad, 1, flat).reshape(slots.shape)
+
+    def counts(self) -> torch.Tensor:
+        """(b, h) real tokens held per head."""
+        return self.valid_mask(self.dense_slots()).sum(-1)
+
+    def nbytes(self) -> int:
+        """Bytes of storage this layer keeps alive for attention: keys, values, slots."""
+        return storage_bytes([*self.keys, *self.values, *(self.slots or [])])
+
+    def head_nbytes(self, h: int) -> int:
+        """Bytes of storage head h keeps alive."""
+        return storage_bytes([self.keys[h], self.values[h], *([self.slots[h]] if self.slots else [])])
+
+    def aux_nbytes(self) -> int:
+        """Bytes of what methods observe (queries, attention statistics), not part of the KV."""
+        queries = [self.queries] if self.queries is not None else []
+        return storage_bytes([*queries, *(t for per_head in self.stats.values() for t in per_head)])
+
+    def token_bytes(self, explicit_slots: bool = True) -> int:
+        """Bytes one token costs in one head: key, value and (once compressed) its slot."""
+        k = self.keys[0]
+        per = 2 * k.shape[-1] * k.element_size()
+        return per + (torch.tensor([], dtype=SLOT_DTYPE).element_size() if explicit_slots else 0)
+
+    # ---- writing -------------------------------------------------------------------------
+    def append(self, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor) -> None:
+        """Append new tokens: keys/values (b, h, q, d) at logical slots (q,)."""
+        q = keys.shape[2]
+        if not self.keys:
+            self.keys = [keys[:, h].contiguous() for h in range(self.n_kv_heads)]
+            self.values = [values[:, h].contiguous() for h in range(self.n_kv_heads)]
+            self.start = int(slots[0])
+        else:
+            self.keys = [torch.cat([self.keys[h], keys[:, h]], dim=1) for h in range(self.n_kv_heads)]
+            self.values = [torch.cat([self.values[h], values[:, h]], dim=1) for h in range(self.n_kv_heads)]
+        if self.slots is not None:
+            new = slots.to(SLOT_DTYPE).expand(keys.shape[0], q)
+            self.slots = [torch.cat([s, new], dim=1) for s in self.slots]
+        for name, per_head in self.stats.items():
+            self.stats[name] = [torch.cat([x, x.new_zeros(x.shape[0], q)], dim=1) for x in per_head]
+        self.seen = int(slots[-1]) + 1
+
+    def observe_queries(self, queries: torch.Tensor, slots: torch.Tensor, window: int) -> None:
+        """Keep the last `window` queries (b, h*g, q, d) and their slots (q,)."""
+        if window <= 0:
+            return
+        if self.queries is None or queries.shape[2] >= window:
+            self.queries, self.query_slots = queries[:, :, -window:].clone(), slots[-window:].clone()
+        else:
+            self.queries = torch.cat([self.queries, queries], dim=2)[:, :, -window:]
+            assert self.query_slots is not None
+            self.query_slots = torch.cat([self.query_slots, slots])[-window:]
+
+    def add_stat(self, name: str, h: int, value: torch.Tensor, accumulate: bool) -> None:
+        """Record a per-token statistic (b, t_h) for head h, summed or replaced."""
+        per_head = self.stats.setdefault(name, [x.new_zeros(x.shape[:2], dtype=torch.float32) for x in self.keys])
+        per_head[h] = per_head[h] + value if accumulate else value
+
+    def apply(self, keep: Keep) -> None:
+        """Execute a decision: gather each head's kept tokens into new, smaller tensors."""
+        slots = self.dense_slots()
+        new_keys, new_values, new_slots = [], [], []
+        new_stats: dict[str, list[torch.Tensor]] = {name: [] for name in self.stats}
+        for h in range(self.n_kv_heads):
+            k_h = int(keep.count[:, h].max().item())
+            idx = keep.index[:, h, :k_h]  # (b, k_h)
+            real = torch.arange(k_h, device=idx.device) < keep.count[:, h : h + 1]
+            gather_d = idx.unsqueeze(-1).expand(-1, -1, self.keys[h].shape[-1])
+            new_keys.append(torch.gather(self.keys[h], 1, gather_d))
+            new_values.append(torch.gather(self.values[h], 1, gather_d))
+            s = torch.gather(slots[:, h], 1, idx)
+            new_slots.append(torch.where(real, s, torch.full_like(s, -1)).to(SLOT_DTYPE))
+            for name, per_head in self.stats.items():
+                new_stats[name].append(torch.gather(per_head[h], 1, idx))
+        self.keys, self.values, self.slots, self.stats = new_keys, new_values, new_slots, new_stats
+
+    def trim_window(self) -> None:
+        """Sliding layers: drop tokens no future query can see (older than window - 1 real tokens)."""
+        if self.sliding_window is None or not self.keys:
+            return
+        keep_last = self.sliding_window - 1
+        if self.seq.padding is None and self.slots is None:
+            drop = self.seen - keep_last - self.start
+            if drop > 0:  # copy, so the dropped tokens' storage is really freed
+                self.keys = [k[:, drop:].clone() for k in self.keys]
+                self.values = [v[:, drop:].clone() for v in self.values]
+                self.stats = {n: [x[:, drop:].clone() for x in ph] for n, ph in self.stats.items()}
+                self.start += drop
+            return
+        slots = self.dense_slots()
+        valid = self.valid_mask(slots)
+        if self.seq.padding is None:
+            inside = valid & (slots >= self.seen - keep_last)
+        else:
+            index = self.seq.padding.long().cumsum(-1)  # (b, slots) real tokens up to each slot
+            b, h, t = slots.shape
+            k_index = torch.gather(index, 1, slots.clamp(min=0).reshape(b, h * t)).reshape(b, h, t)
+            inside = valid & (k_index > index[:, -1:, None] - keep_last)
+        if bool(inside.eq(valid).all()):
+            return
+        index_order = torch.argsort((~inside).to(torch.int8), dim=-1, stable=True)
+        self.apply(Keep(index=index_order, count=inside.sum(-1)))
+
+    def select_batch(self, index: torch.Tensor) -> None:
+        """Keep only the batch rows in `index` (beam search, finished sequences)."""
+        self.keys = [k[index] for k in self.keys]
+        self.values = [v[index] for v in self.values]
+        if self.slots is not None:
+            self.slots = [s[index] for s in self.slots]
+        self.stats = {n: [x[index] for x in ph] for n, ph in self.stats.items()}
+        if self.queries is not None:
+            self.queries = self.queries[index]

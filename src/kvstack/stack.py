@@ -1,0 +1,111 @@
+"""A stack: compression stages applied together under one budget, written as a spec string.
+
+`snapkv`, `streaming(sinks=4)`, `h2o(recent=0.25, every=1)`; stages are joined with `+`
+(`snapkv+kivi(bits=2)` once quantizers exist). Parsing is pure: text -> dataclasses.
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass, fields
+
+from kvstack.errors import UserError, unknown_name
+from kvstack.methods.base import Method
+from kvstack.methods.registry import method_class
+
+
+@dataclass(frozen=True)
+class Stack:
+    """The parsed stages of a spec; at most one eviction stage for now."""
+
+    stages: tuple[Method, ...]
+
+    @classmethod
+    def parse(cls, spec: str) -> Stack:
+        """Parse a spec such as `streaming(sinks=4)`; errors are one line naming the fix."""
+        text = spec.strip()
+        if not text:
+            raise UserError("empty method spec: give a method name such as snapkv (see `kvstack methods`)")
+        stages = tuple(_parse_stage(part) for part in _split_top(text, "+"))
+        evictors = [s for s in stages if s.family in ("evict", "reference")]
+        if len(evictors) > 1:
+            names = " + ".join(s.name for s in evictors)
+            raise UserError(f"'{spec}' stacks two eviction methods ({names}): keep one")
+        return cls(stages)
+
+    @property
+    def evictor(self) -> Method | None:
+        """The stage that decides which tokens to keep, or None for `full`."""
+        for stage in self.stages:
+            if stage.compresses and stage.family == "evict":
+                return stage
+        return None
+
+    @property
+    def needs(self) -> frozenset[str]:
+        """Statistics the attention pass must record for this stack."""
+        return frozenset().union(*(s.needs for s in self.stages))
+
+    @property
+    def query_window(self) -> int:
+        return max((s.query_window for s in self.stages), default=0)
+
+    @property
+    def min_tokens(self) -> int:
+        return max((s.min_tokens for s in self.stages if s.compresses), default=1)
+
+    def __str__(self) -> str:
+        return "+".join(_format_stage(s) for s in self.stages)
+
+
+def _split_top(text: str, sep: str) -> list[str]:
+    """Split on `sep` outside parentheses."""
+    parts, depth, cur = [], 0, ""
+    for ch in text:
+        depth += ch == "("
+        depth -= ch == ")"
+        if ch == sep and depth == 0:
+            parts.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    if depth != 0:
+        raise UserError(f"unbalanced parentheses in method spec '{text}'")
+    return [*parts, cur]
+
+
+def _parse_stage(text: str) -> Method:
+    text = text.strip()
+    name, _, rest = text.partition("(")
+    name = name.strip().lower()
+    if not name:
+        raise UserError(f"empty stage in method spec near '{text}'")
+    cls = method_class(name)
+    kwargs: dict[str, object] = {}
+    if rest:
+        if not rest.endswith(")"):
+            raise UserError(f"stage '{text}' must end with ')'")
+        body = rest[:-1].strip()
+        valid = [f.name for f in fields(cls)]
+        for item in _split_top(body, ",") if body else []:
+            key, eq, raw = item.partition("=")
+            key = key.strip()
+            if not eq:
+                raise UserError(f"{name}: parameters are written key=value, got '{item.strip()}'")
+            if key not in valid:
+                raise unknown_name(f"parameter of {name}", key, valid)
+            try:
+                kwargs[key] = ast.literal_eval(raw.strip())
+            except (ValueError, SyntaxError):
+                kwargs[key] = raw.strip()
+    try:
+        return cls(**kwargs)  # type: ignore[arg-type]
+    except (ValueError, TypeError) as err:
+        raise UserError(str(err)) from None
+
+
+def _format_stage(stage: Method) -> str:
+    params = stage.params()
+    if not params:
+        return stage.name
+    return f"{stage.name}({', '.join(f'{k}={v!r}' for k, v in params.items())})"

@@ -1,0 +1,23 @@
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from tiny import tiny_gemma3, tiny_llama  # noqa: E402
+
+torch.set_num_threads(max(1, torch.get_num_threads()))
+
+TINY = {"llama": tiny_llama, "gemma3": tiny_gemma3}
+
+
+@pytest.fixture(scope="session", params=list(TINY))
+def tiny(request):
+    """A tiny random model (float32, kvstack attention), once per architecture."""
+    return TINY[request.param]()
+
+
+@pytest.fixture(scope="session")
+def llama():
+    return tiny_llama()

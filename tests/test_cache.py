@@ -1,0 +1,162 @@
+"""The cache against the full cache and against its budget, on tiny Llama (GQA) and Gemma 3 (sliding) models."""
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from helpers import ids_of
+from kvstack.cache.cache import KVCache
+from kvstack.generate import _Runner
+from kvstack.methods.registry import all_methods
+from kvstack.methods.select import Keep
+
+METHODS = [m for m in all_methods() if m != "full"]
+SPECS = {m: m for m in ["full", *METHODS]} | {"snapkv": "snapkv(window_size=4, every=4)"}
+
+
+def prompt(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 97, (n,), generator=g).tolist()
+
+
+def step_logits(model, cache, ids, follow):
+    """Prefill `ids`, then feed `follow` one token at a time; logits (steps, vocab) at every step."""
+    runner = _Runner(model, cache)
+    out = [runner.forward(torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long))]
+    for t in follow:
+        out.append(runner.forward(torch.tensor([[t]]), torch.ones(1, 1, dtype=torch.long)))
+    return torch.cat(out)
+
+
+def test_full_cache_matches_transformers_dynamic_cache(tiny):
+    ids = torch.tensor([prompt(40)])
+    with torch.no_grad():
+        tiny.set_attn_implementation("sdpa")
+        ref = tiny(ids, past_key_values=DynamicCache(config=tiny.config)).logits
+        ref_gen = tiny.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=30, do_sample=False, pad_token_id=0
+        )
+        tiny.set_attn_implementation("kvstack")
+        cache = KVCache(tiny)
+        out = tiny(ids, past_key_values=cache).logits
+        gen = tiny.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=30,
+            do_sample=False,
+            pad_token_id=0,
+            past_key_values=KVCache(tiny),
+        )
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert torch.equal(gen, ref_gen)
+    assert cache.nbytes() == cache.full_nbytes()  # what a full transformers cache holds, byte for byte
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("mode", ["prefill", "decoding"])
+def test_budget_one_reproduces_the_full_cache(tiny, method, mode):
+    ids, follow = prompt(48), prompt(24 if mode == "decoding" else 1, seed=1)
+    full = step_logits(tiny, KVCache(tiny), ids, follow)
+    same = step_logits(tiny, KVCache(tiny, SPECS[method], 1.0), ids, follow)
+    torch.testing.assert_close(same, full, atol=1e-5, rtol=1e-5)
+    assert ids_of(tiny, [(ids, [])], SPECS[method], 1.0)[0] == ids_of(tiny, [(ids, [])])[0]
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("mode", ["prefill", "decoding"])
+def test_compression_frees_bytes_and_stays_within_budget(tiny, method, mode):
+    cache = KVCache(tiny, SPECS[method], 0.5)
+    runner = _Runner(tiny, cache)
+    runner.forward(torch.tensor([prompt(60)]), torch.ones(1, 60, dtype=torch.long))
+    assert cache.nbytes() <= 0.5 * cache.full_nbytes()
+    assert cache.compressions > 0
+    steps = 48 if mode == "decoding" else 0
+    for t in prompt(steps, seed=2):
+        runner.forward(torch.tensor([[t]]), torch.ones(1, 1, dtype=torch.long))
+        for layer in cache.layers:
+            assert bool((layer.counts() <= cache.keep_allowed(layer)).all())
+        assert cache.nbytes() <= 0.5 * cache.full_nbytes()
+
+
+def test_budget_holds_over_a_512_token_generation(llama):
+    for spec in ("streaming", "h2o"):
+        cache = KVCache(llama, spec, "64t")
+        runner = _Runner(llama, cache)
+        runner.forward(torch.tensor([prompt(100)]), torch.ones(1, 100, dtype=torch.long))
+        for t in prompt(512, seed=3):
+            runner.forward(torch.tensor([[t]]), torch.ones(1, 1, dtype=torch.long))
+            assert max(int(layer.counts().max()) for layer in cache.layers) <= 64
+        assert cache.layers[0].seen == 612
+
+
+def test_lower_budgets_hold_fewer_bytes(tiny):
+    held = []
+    for budget in (1.0, 0.5, 0.25, 0.125):
+        cache = KVCache(tiny, "knorm", budget)
+        _Runner(tiny, cache).forward(torch.tensor([prompt(80)]), torch.ones(1, 80, dtype=torch.long))
+        held.append(cache.nbytes())
+    assert held == sorted(held, reverse=True) and len(set(held)) == 4
+
+
+def test_ragged_heads_free_memory_per_head(llama):
+    cache = KVCache(llama)
+    _Runner(llama, cache).forward(torch.tensor([prompt(32)]), torch.ones(1, 32, dtype=torch.long))
+    layer = cache.layers[0]
+    before = cache.nbytes()
+    index = torch.arange(32).view(1, 1, 32).expand(1, 2, 32)
+    layer.apply(Keep(index=index, count=torch.tensor([[4, 20]])))  # head 0 keeps 4, head 1 keeps 20
+    assert [layer.head_len(h) for h in range(2)] == [4, 20]
+    assert layer.head_nbytes(0) < layer.head_nbytes(1)
+    d = layer.keys[0].shape[-1]
+    # K and V at 4 bytes each per channel, plus the int32 slot: nothing padded to the longer head
+    assert layer.nbytes() == (4 + 20) * (2 * d * 4 + 4)
+    assert cache.nbytes() < before
+
+
+@pytest.mark.parametrize("method", ["full", *METHODS])
+@pytest.mark.parametrize("agnostic", [False, True])
+def test_a_batch_answers_like_each_prompt_alone(tiny, method, agnostic):
+    if method == "knorm" and tiny.config.model_type.startswith("gemma3"):
+        pytest.skip("Gemma 3 RMS-normalises keys (QK-norm): key norms tie to 1e-7, so knorm's order is float noise")
+    rows = [(prompt(50, seed=4), prompt(6, seed=5)), (prompt(31, seed=6), prompt(9, seed=7))]
+    together, _ = ids_of(tiny, rows, SPECS[method], 0.5, agnostic)
+    alone = [ids_of(tiny, [row], SPECS[method], 0.5, agnostic)[0][0] for row in rows]
+    assert together == alone
+
+
+def test_query_agnostic_never_evicts_the_question(llama):
+    cache = KVCache(llama, "knorm", 0.25)
+    runner = _Runner(llama, cache)
+    runner.forward(torch.tensor([prompt(64)]), torch.ones(1, 64, dtype=torch.long))
+    with cache.exempt():
+        runner.forward(torch.tensor([prompt(10, seed=8)]), torch.ones(1, 10, dtype=torch.long))
+    for t in prompt(20, seed=9):
+        runner.forward(torch.tensor([[t]]), torch.ones(1, 1, dtype=torch.long))
+    for layer in cache.layers:
+        slots = layer.dense_slots()
+        for s in range(64, 74):
+            assert bool((slots == s).any(-1).all()), f"question slot {s} was evicted in layer {layer.layer_idx}"
+
+
+def test_generate_with_transformers_keeps_the_budget(tiny):
+    ids = torch.tensor([prompt(64)])
+    cache = KVCache(tiny, "streaming(sinks=2)", 0.5)
+    out = tiny.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=20,
+        do_sample=False,
+        pad_token_id=0,
+        past_key_values=cache,
+    )
+    assert out.shape[1] == 84
+    assert cache.nbytes() <= 0.5 * cache.full_nbytes()
+
+
+def test_stats_report_tokens_and_bytes_per_head(llama):
+    cache = KVCache(llama, "snapkv(window_size=4)", 0.5)
+    _Runner(llama, cache).forward(torch.tensor([prompt(40)]), torch.ones(1, 40, dtype=torch.long))
+    rows = cache.stats()
+    assert len(rows) == 4 * 2
+    assert sum(r["bytes"] for r in rows) == cache.nbytes()
+    assert all(r["tokens"][0] < 40 for r in rows)

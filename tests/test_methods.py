@@ -1,0 +1,95 @@
+"""Each method against a hand-computed case: scores and the tokens a budget keeps."""
+
+import pytest
+import torch
+
+from helpers import layer_with, observe
+from kvstack.errors import UserError
+from kvstack.methods.select import select
+from kvstack.stack import Stack
+
+
+def kept(layer, method, keep):
+    obs = observe(layer, keep)
+    decision = select(method.score(obs), obs.valid, obs.slots, obs.keep)
+    return [decision.index[0, h, : decision.count[0, h]].tolist() for h in range(layer.n_kv_heads)]
+
+
+def test_streaming_keeps_sinks_and_the_recent_window():
+    layer = layer_with(torch.randn(1, 1, 10, 4))
+    assert kept(layer, Stack.parse("streaming(sinks=2)").evictor, 5) == [[0, 1, 7, 8, 9]]
+
+
+def test_knorm_keeps_the_lowest_key_norms():
+    norms = torch.tensor([3.0, 1.0, 5.0, 0.5, 2.0])
+    keys = torch.zeros(1, 1, 5, 2)
+    keys[0, 0, :, 0] = norms
+    assert kept(layer_with(keys), Stack.parse("knorm").evictor, 2) == [[1, 3]]
+
+
+def test_h2o_keeps_heavy_hitters_and_recent_tokens():
+    layer = layer_with(torch.randn(1, 1, 8, 4))
+    layer.add_stat("attention_sum", 0, torch.tensor([[5.0, 0.1, 4.0, 0.2, 3.0, 0.3, 0.0, 0.0]]), accumulate=True)
+    # keep 4: recent=0.5 -> the 2 newest (6, 7) plus the 2 heaviest of the rest (0, 2)
+    assert kept(layer, Stack.parse("h2o").evictor, 4) == [[0, 2, 6, 7]]
+
+
+def test_tova_keeps_what_the_last_query_attends_averaged_over_heads():
+    layer = layer_with(torch.randn(1, 2, 4, 4))
+    layer.add_stat("last_attention", 0, torch.tensor([[0.7, 0.1, 0.1, 0.1]]), accumulate=False)
+    layer.add_stat("last_attention", 1, torch.tensor([[0.1, 0.1, 0.6, 0.2]]), accumulate=False)
+    # mean over heads: [0.4, 0.1, 0.35, 0.15] -> keep 0 and 2 in both heads
+    assert kept(layer, Stack.parse("tova").evictor, 2) == [[0, 2], [0, 2]]
+
+
+def test_snapkv_scores_are_the_window_attention():
+    keys = torch.tensor([[[[1.0, 0.0], [0.0, 1.0], [2.0, 0.0], [0.0, 0.0]]]])  # (1, 1, 4, 2)
+    q = torch.tensor([[[[2.0, 0.0]]]])  # one window query at slot 3
+    layer = layer_with(keys, queries=q)
+    method = Stack.parse("snapkv(window_size=1, kernel_size=1)").evictor
+    scores = method.score(observe(layer, 2))
+    logits = torch.tensor([2.0, 0.0, 4.0, 0.0]) * 2**-0.5
+    expected = torch.softmax(logits, 0)
+    assert torch.allclose(scores[0, 0, :3], expected[:3], atol=1e-6)
+    assert scores[0, 0, 3] == float("inf")  # the window itself is always kept
+    assert kept(layer, method, 2) == [[2, 3]]
+
+
+def test_snapkv_pooling_spreads_votes_to_neighbours():
+    keys = torch.zeros(1, 1, 7, 2)
+    keys[0, 0, 2, 0] = 10.0  # only slot 2 is attended
+    layer = layer_with(keys, queries=torch.tensor([[[[1.0, 0.0]]]]))
+    scores = Stack.parse("snapkv(window_size=1, kernel_size=3)").evictor.score(observe(layer, 3))
+    assert scores[0, 0, 1] > scores[0, 0, 4] and scores[0, 0, 3] > scores[0, 0, 4]
+
+
+def test_random_is_reproducible_and_seeded():
+    layer = layer_with(torch.randn(1, 1, 20, 4))
+    a = kept(layer, Stack.parse("random(seed=1)").evictor, 5)
+    assert a == kept(layer, Stack.parse("random(seed=1)").evictor, 5)
+    assert a != kept(layer, Stack.parse("random(seed=2)").evictor, 5)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "nope",
+        "snapkv(window_size=0)",
+        "streaming(sinks=-1)",
+        "h2o(recent=2)",
+        "snapkv+streaming",
+        "streaming(",
+        "knorm(every=0)",
+        "",
+        "tova(x=1)",
+    ],
+)
+def test_bad_specs_are_one_line_errors(spec):
+    with pytest.raises(UserError) as e:
+        Stack.parse(spec)
+    assert "\n" not in str(e.value)
+
+
+def test_spec_round_trips():
+    stack = Stack.parse("streaming(sinks=2, every=3)")
+    assert Stack.parse(str(stack)) == stack
