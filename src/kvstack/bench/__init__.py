@@ -1,0 +1,1 @@
+"""Benchmarking: tasks (data generators), running, storing and reporting."""

@@ -1,0 +1,1 @@
+"""Task generators: contexts with questions whose answers are known."""

