@@ -100,3 +100,14 @@ def test_each_real_model_loads_and_answers(name, method):
         r = answer(lm, [context], [q], spec, budget, max_new_tokens=8, answer_prefix=prefix)
         assert "biscuit" in r.answers[0].lower(), (name, spec, r.answers)
         assert r.kv_ratio <= budget
+
+
+def test_prompts_split_context_from_question_inside_the_chat_template(smollm2):
+    from kvstack.models.prompts import build_prompt
+
+    p = build_prompt(smollm2, "The sky is green.", "What colour is the sky?", "The sky is")
+    tok = smollm2.tokenizer
+    whole = tok.decode(p.context + p.question)
+    assert whole.startswith("<|im_start|>") and "The sky is green." in tok.decode(p.context)
+    assert "What colour is the sky?" in tok.decode(p.question)
+    assert whole.rstrip().endswith("assistant\nThe sky is")

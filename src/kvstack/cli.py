@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+
+os.environ.setdefault("TQDM_DISABLE", "1")  # transformers' per-tensor bars; our own progress says enough
+
 import json
 import sys
 from dataclasses import fields
@@ -99,6 +103,7 @@ def generate(
         from kvstack.stack import Stack
 
         stack, parsed_budget = Stack.parse(method), Budget.parse(budget)  # fail before loading anything
+        stack.check_budget(parsed_budget)
         if max_new_tokens < 1:
             raise UserError("--max-new-tokens must be at least 1")
         context = _read_context(context_file)

