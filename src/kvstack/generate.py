@@ -78,6 +78,8 @@ class _Runner:
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, chunk_mask: torch.Tensor) -> torch.Tensor:
         """Run one chunk (b, q); return the last position's logits (b, vocab)."""
+        device = self.model.device
+        ids, chunk_mask = ids.to(device), chunk_mask.to(device)
         self.mask = chunk_mask if self.mask is None else torch.cat([self.mask, chunk_mask], dim=1)
         positions = (self.mask.cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1] :]
         start = self.mask.shape[1] - ids.shape[1]
@@ -88,7 +90,7 @@ class _Runner:
             past_key_values=self.cache,
             use_cache=True,
             logits_to_keep=1,
-            cache_position=torch.arange(start, self.mask.shape[1]),
+            cache_position=torch.arange(start, self.mask.shape[1], device=device),
         )
         return out.logits[:, -1].float()
 
@@ -98,7 +100,8 @@ def warm_up(model: Any) -> None:
     if getattr(model, "_kvstack_warm", False):
         return
     with torch.inference_mode():
-        model(input_ids=torch.zeros((1, 16), dtype=torch.long), past_key_values=KVCache(model), use_cache=True)
+        ids = torch.zeros((1, 16), dtype=torch.long, device=model.device)
+        model(input_ids=ids, past_key_values=KVCache(model), use_cache=True)
     model._kvstack_warm = True
 
 
@@ -162,7 +165,7 @@ def generate_ids(
     start = time.perf_counter()
     steps = 0
     for step in range(max_new_tokens):
-        nxt = logits.argmax(-1)
+        nxt = logits.argmax(-1).cpu()
         for i in range(b):
             if not done[i]:
                 out[i].append(int(nxt[i]))

@@ -75,8 +75,11 @@ def head_mask(
 
 
 def attention_probs(query: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, scaling: float) -> torch.Tensor:
-    """(b, g, q, t) softmax attention in float32 for query (b, g, q, d), keys (b, t, d)."""
-    logits = torch.einsum("bgqd,btd->bgqt", query.float(), keys.float()) * scaling
+    """(b, g, q, t) softmax attention in float32 for query (b, g, q, d), keys (b, t, d).
+
+    The product runs in the model's dtype (bf16 matmuls are 2-4x faster on CPU), the softmax in float32.
+    """
+    logits = torch.matmul(query, keys.unsqueeze(1).transpose(-1, -2)).float() * scaling
     return torch.softmax(logits.masked_fill(~mask, float("-inf")), dim=-1)
 
 

@@ -136,7 +136,7 @@ class KVCache(Cache):
             for h in range(layer.n_kv_heads):
                 qh = query[:, h * g : (h + 1) * g]
                 if "attention_sum" in needs:
-                    total = torch.zeros(qh.shape[0], layer.head_len(h))
+                    total = torch.zeros(qh.shape[0], layer.head_len(h), device=query.device)
                     for start in range(0, qh.shape[2], STAT_CHUNK):
                         end = min(start + STAT_CHUNK, qh.shape[2])
                         mask = head_mask(slots[h], query_slots[start:end], padding, window)
@@ -154,11 +154,11 @@ class KVCache(Cache):
     def keep_allowed(self, layer: CompressedLayer) -> torch.Tensor:
         """(b, h) tokens each head may hold now under the budget (exempt tokens come on top)."""
         b = layer.batch
-        n_full = self.seq.real_counts(layer.seen, b)
+        n_full = self.seq.real_counts(layer.seen, b, device=layer.keys[0].device)
         n_exempt = torch.zeros_like(n_full)
         for start, end in self.seq.exempt:
             if min(end, layer.seen) > start:
-                n_exempt += self.seq.real_counts(min(end, layer.seen), b, start)
+                n_exempt += self.seq.real_counts(min(end, layer.seen), b, start, device=n_full.device)
         if layer.sliding_window:  # a full sliding layer holds its last window - 1 real tokens
             n_full = torch.clamp(n_full, max=layer.sliding_window - 1)
             n_exempt = torch.minimum(n_exempt, n_full)

@@ -36,10 +36,10 @@ class SequenceState:
     padding: torch.Tensor | None = None
     exempt: list[tuple[int, int]] = field(default_factory=list)
 
-    def real_counts(self, seen: int, batch: int, since: int = 0) -> torch.Tensor:
+    def real_counts(self, seen: int, batch: int, since: int = 0, device: torch.device | None = None) -> torch.Tensor:
         """(b,) real tokens among slots [since, seen)."""
         if self.padding is None:
-            return torch.full((batch,), max(seen - since, 0), dtype=torch.long)
+            return torch.full((batch,), max(seen - since, 0), dtype=torch.long, device=device)
         return self.padding[:, since:seen].sum(-1).long()
 
     def token_index(self) -> torch.Tensor | None:

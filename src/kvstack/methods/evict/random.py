@@ -24,5 +24,5 @@ class Random(Method):
     def score(self, obs: Observation) -> torch.Tensor:
         gen = torch.Generator().manual_seed(self.seed * 100_003 + obs.layer_idx)
         b, h, _ = obs.positions.shape
-        table = torch.rand(h, int(obs.positions.max()) + 1, generator=gen)  # (h, positions)
+        table = torch.rand(h, int(obs.positions.max()) + 1, generator=gen).to(obs.positions.device)  # (h, pos)
         return torch.gather(table.unsqueeze(0).expand(b, -1, -1), 2, obs.positions)
