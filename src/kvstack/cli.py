@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
-os.environ.setdefault("TQDM_DISABLE", "1")  # transformers' per-tensor bars; our own progress says enough
-
 import json
 import sys
 from dataclasses import fields

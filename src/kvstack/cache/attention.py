@@ -1,9 +1,8 @@
 """Attention over a kvstack cache, registered with transformers as `attn_implementation="kvstack"`.
 
 Each KV head attends over its own kept tokens; masks come from each token's logical slot
-(causality, sliding window, padding), so heads may hold different tokens. Statistics that
-methods need (attention received, the last query's attention) are computed here, only
-when the method stack asks for them, for the queries at hand.
+(causality, sliding window, padding), so heads may hold different tokens. After attending,
+the layer's cache records what its methods need (see `statistics`) and compresses.
 """
 
 from __future__ import annotations
@@ -21,7 +20,6 @@ if TYPE_CHECKING:
     from kvstack.cache.layer import CompressedLayer
 
 ATTENTION = "kvstack"
-STAT_CHUNK = 256  # queries per chunk when attention probabilities are materialised for statistics
 
 
 @dataclass
@@ -127,7 +125,7 @@ def kvstack_attention(
     padding = cache.seq.padding
     slots = [layer.head_slots(h) for h in range(layer.n_kv_heads)]
     out = _attend(query, layer.keys, layer.values, slots, view.query_slots, padding, sliding_window, scale)
-    cache.observe(layer, query, view.query_slots, slots, padding, sliding_window, scale)
+    cache.observe(layer, query, view.query_slots, padding, sliding_window, scale)
     return out, None
 
 

@@ -16,7 +16,8 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache
 
-from kvstack.cache.attention import STAT_CHUNK, LayerView, attention_probs, head_mask, register
+from kvstack.cache import statistics
+from kvstack.cache.attention import LayerView, register
 from kvstack.cache.budget import Budget, tokens_to_keep
 from kvstack.cache.layer import CompressedLayer, SequenceState
 from kvstack.methods.base import Observation
@@ -119,36 +120,20 @@ class KVCache(Cache):
         layer: CompressedLayer,
         query: torch.Tensor,
         query_slots: torch.Tensor,
-        slots: list[torch.Tensor],
         padding: torch.Tensor | None,
         window: int | None,
         scale: float,
     ) -> None:
-        """Called by the attention after layer `layer` attended: record what the stack needs, then compress."""
-        stack = self.stack
-        layer.observe_queries(query.detach(), query_slots, stack.query_window)
-        needs = stack.needs
-        if needs & {"attention_sum", "last_attention"}:
-            g = layer.groups
-            q_real = None
-            if padding is not None:
-                q_real = torch.gather(padding, 1, query_slots.unsqueeze(0).expand(padding.shape[0], -1)).float()
-            for h in range(layer.n_kv_heads):
-                qh = query[:, h * g : (h + 1) * g]
-                if "attention_sum" in needs:
-                    total = torch.zeros(qh.shape[0], layer.head_len(h), device=query.device)
-                    for start in range(0, qh.shape[2], STAT_CHUNK):
-                        end = min(start + STAT_CHUNK, qh.shape[2])
-                        mask = head_mask(slots[h], query_slots[start:end], padding, window)
-                        p = attention_probs(qh[:, :, start:end], layer.keys[h], mask, scale)
-                        if q_real is not None:
-                            p = p * q_real[:, None, start:end, None]
-                        total += p.sum(dim=(1, 2))
-                    layer.add_stat("attention_sum", h, total, accumulate=True)
-                if "last_attention" in needs:
-                    mask = head_mask(slots[h], query_slots[-1:], padding, window)
-                    p = attention_probs(qh[:, :, -1:], layer.keys[h], mask, scale)
-                    layer.add_stat("last_attention", h, p.mean(dim=(1, 2)), accumulate=False)
+        """Called by the attention after `layer` attended: record what the stack needs, then compress.
+
+        Statistics are billed to `compress_s`: they are work a method causes, not prefill.
+        """
+        started = time.perf_counter()
+        layer.observe_queries(query.detach(), query_slots, self.stack.query_window)
+        needs = self.stack.needs & statistics.STATISTICS
+        if needs:
+            statistics.record(layer, needs, query, query_slots, padding, window, scale)
+        self.timings["compress_s"] += time.perf_counter() - started
         self.maintain(layer, decoding=query.shape[2] == 1)
 
     def keep_allowed(self, layer: CompressedLayer) -> torch.Tensor:

@@ -7,9 +7,12 @@ next load takes seconds. Nothing touches the network unless a hub id is given.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
 import os
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,7 +26,7 @@ from kvstack.errors import UserError, unknown_name
 from kvstack.models.registry import MODELS, ModelSpec
 
 DONE = "kvstack-converted"
-PROGRESS = Console(stderr=True)  # progress never mixes into stdout (JSON output stays clean)
+PROGRESS = Console(file=sys.stderr)  # bound now: stays visible while conversion output is silenced
 
 
 @dataclass
@@ -155,7 +158,8 @@ def _load_packaged(spec: ModelSpec, dtype: torch.dtype, attn: str) -> LoadedMode
 def _from_gguf(folder: Path, filename: str, dtype: torch.dtype, fix_tokenizer: bool) -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    with Progress(console=PROGRESS, transient=True) as bar:
+    # transformers prints a bar per tensor; ours says the same in one line
+    with Progress(console=PROGRESS, transient=True) as bar, contextlib.redirect_stderr(io.StringIO()):
         bar.add_task(f"converting {filename} (first load only)", total=None)
         tok = AutoTokenizer.from_pretrained(folder, gguf_file=filename)
         if fix_tokenizer:

@@ -1,0 +1,50 @@
+"""Attention statistics that methods ask for, computed for the queries at hand, per KV head.
+
+`attention_sum`: attention each held token received, summed over queries and the head's
+group (H2O); `last_attention`: the newest query's attention, averaged over the group (TOVA).
+Probabilities are materialised in chunks of queries, only when a method needs them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvstack.cache.attention import attention_probs, head_mask
+from kvstack.cache.layer import CompressedLayer
+
+STATISTICS = frozenset({"attention_sum", "last_attention"})
+CHUNK = 256  # queries per chunk when probabilities are materialised
+
+
+def record(
+    layer: CompressedLayer,
+    needs: frozenset[str],
+    query: torch.Tensor,
+    query_slots: torch.Tensor,
+    padding: torch.Tensor | None,
+    window: int | None,
+    scale: float,
+) -> None:
+    """Add the requested statistics for query (b, h*g, q, d) at slots (q,) to `layer`."""
+    g = layer.groups
+    q_real = None  # padding queries vote for nothing
+    if padding is not None:
+        q_real = torch.gather(padding, 1, query_slots.unsqueeze(0).expand(padding.shape[0], -1)).float()
+    for h in range(layer.n_kv_heads):
+        qh, slots = query[:, h * g : (h + 1) * g], layer.head_slots(h)
+        if "attention_sum" in needs:
+            total = torch.zeros(qh.shape[0], layer.head_len(h), device=query.device)
+            for start in range(0, qh.shape[2], CHUNK):
+                end = min(start + CHUNK, qh.shape[2])
+                p = attention_probs(
+                    qh[:, :, start:end], layer.keys[h], head_mask(slots, query_slots[start:end], padding, window), scale
+                )
+                if q_real is not None:
+                    p = p * q_real[:, None, start:end, None]
+                total += p.sum(dim=(1, 2))
+            layer.add_stat("attention_sum", h, total, accumulate=True)
+        if "last_attention" in needs:
+            p = attention_probs(
+                qh[:, :, -1:], layer.keys[h], head_mask(slots, query_slots[-1:], padding, window), scale
+            )
+            layer.add_stat("last_attention", h, p.mean(dim=(1, 2)), accumulate=False)
