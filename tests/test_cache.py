@@ -160,3 +160,46 @@ def test_stats_report_tokens_and_bytes_per_head(llama):
     assert len(rows) == 4 * 2
     assert sum(r["bytes"] for r in rows) == cache.nbytes()
     assert all(r["tokens"][0] < 40 for r in rows)
+
+
+def test_a_fraction_too_small_for_the_method_is_refused_before_any_work(llama):
+    from kvstack.errors import UserError
+    from kvstack.generate import Prompt, generate_ids
+
+    with pytest.raises(UserError, match=r"needs at least 64: use --budget >= 0\.640 or 64t"):
+        generate_ids(llama, [Prompt(context=prompt(100), question=[])], "snapkv", 0.1)
+    with pytest.raises(UserError, match="exceeds the model's maximum of 2048 tokens"):
+        generate_ids(llama, [Prompt(context=prompt(2040), question=prompt(4))], "full", 1.0, max_new_tokens=8)
+
+
+def test_transformers_generate_with_left_padding_matches_single_prompts(llama):
+    rows = [prompt(40, seed=10), prompt(25, seed=11)]
+    ids = torch.zeros(2, 40, dtype=torch.long)
+    mask = torch.zeros(2, 40, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, 40 - len(r) :], mask[i, 40 - len(r) :] = torch.tensor(r), 1
+    both = llama.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=12,
+        do_sample=False,
+        pad_token_id=0,
+        past_key_values=KVCache(llama, "tova", 0.5),
+    )
+    for i, r in enumerate(rows):
+        one = llama.generate(
+            torch.tensor([r]),
+            attention_mask=torch.ones(1, len(r), dtype=torch.long),
+            max_new_tokens=12,
+            do_sample=False,
+            pad_token_id=0,
+            past_key_values=KVCache(llama, "tova", 0.5),
+        )
+        assert both[i, 40:].tolist() == one[0, len(r) :].tolist()
+
+
+def test_a_model_on_another_attention_gets_a_clear_error():
+    from tiny import tiny_llama
+
+    with pytest.raises(ValueError, match=r"set_attn_implementation\('kvstack'\)"):
+        KVCache(tiny_llama(attn="sdpa"), "snapkv", 0.5)

@@ -17,7 +17,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from kvstack.cache import statistics
-from kvstack.cache.attention import LayerView, register
+from kvstack.cache.attention import ATTENTION, LayerView, register
 from kvstack.cache.budget import Budget, tokens_to_keep
 from kvstack.cache.layer import CompressedLayer, SequenceState
 from kvstack.methods.base import Observation
@@ -38,6 +38,11 @@ class KVCache(Cache):
 
     def __init__(self, model_or_config: Any, stack: Stack | str = "full", budget: Budget | str | float = 1.0) -> None:
         config = text_config(getattr(model_or_config, "config", model_or_config))
+        if hasattr(model_or_config, "config") and getattr(config, "_attn_implementation", ATTENTION) != ATTENTION:
+            raise ValueError(
+                f"the model uses attn_implementation={config._attn_implementation!r}; a KVCache needs "
+                f"model.set_attn_implementation({ATTENTION!r}) (kvstack.load does it)"
+            )
         n_layers = config.num_hidden_layers
         n_heads = config.num_attention_heads
         n_kv = getattr(config, "num_key_value_heads", None) or n_heads
