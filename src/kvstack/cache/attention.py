@@ -7,6 +7,7 @@ the layer's cache records what its methods need (see `statistics`) and compresse
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -107,7 +108,7 @@ def kvstack_attention(
             query,
             [key[:, h] for h in range(key.shape[1])],
             [value[:, h] for h in range(key.shape[1])],
-            [slots] * key.shape[1],
+            lambda h: slots,
             slots[-query.shape[2] :],
             padding,
             sliding_window,
@@ -123,8 +124,7 @@ def kvstack_attention(
             ones = cache.seq.padding.new_ones(cache.seq.padding.shape[0], extra)
             cache.seq.padding = torch.cat([cache.seq.padding, ones], dim=1)
     padding = cache.seq.padding
-    slots = [layer.head_slots(h) for h in range(layer.n_kv_heads)]
-    out = _attend(query, layer.keys, layer.values, slots, view.query_slots, padding, sliding_window, scale)
+    out = _attend(query, layer.keys, layer.values, layer.head_slots, view.query_slots, padding, sliding_window, scale)
     cache.observe(layer, query, view.query_slots, padding, sliding_window, scale)
     return out, None
 
@@ -133,34 +133,34 @@ def _attend(
     query: torch.Tensor,
     keys: list[torch.Tensor],
     values: list[torch.Tensor],
-    slots: list[torch.Tensor],
+    slots_of: Callable[[int], torch.Tensor],
     query_slots: torch.Tensor,
     padding: torch.Tensor | None,
     window: int | None,
     scale: float,
 ) -> torch.Tensor:
-    """Per KV head h: its group of queries (b, g, q, d) attends its own keys/values (b, t_h, d)."""
+    """Per KV head h: its group of queries (b, g, q, d) attends its own keys/values (b, t_h, d).
+
+    slots_of(h) gives head h's slots (b, t_h) or (t_h,); it is only called when a mask is needed.
+    """
     b, n_q_heads, q, d = query.shape
     g = n_q_heads // len(keys)
     out = query.new_empty(b, n_q_heads, q, values[0].shape[-1])
-    for h, (k, v, ks) in enumerate(zip(keys, values, slots, strict=True)):
+    for h, (k, v) in enumerate(zip(keys, values, strict=True)):
         qh = query[:, h * g : (h + 1) * g]
-        plain_causal = (
-            padding is None
-            and window is None
-            and ks.dim() == 1
-            and ks.shape[0] == q
-            and bool(torch.equal(ks, query_slots))
-        )
-        if plain_causal:
+        k4, v4 = k.unsqueeze(1), v.unsqueeze(1)
+        if q == 1 and padding is None:  # one new query sees every held token: older ones left the window
+            out[:, h * g : (h + 1) * g] = F.scaled_dot_product_attention(qh, k4, v4, scale=scale, enable_gqa=True)
+            continue
+        ks = slots_of(h)
+        if padding is None and window is None and ks.dim() == 1 and torch.equal(ks, query_slots):
             out[:, h * g : (h + 1) * g] = F.scaled_dot_product_attention(
-                qh, k.unsqueeze(1), v.unsqueeze(1), is_causal=True, scale=scale, enable_gqa=True
+                qh, k4, v4, is_causal=True, scale=scale, enable_gqa=True
             )
             continue
         mask = head_mask(ks, query_slots, padding, window)
-        attn_mask = None if (q == 1 and bool(mask.all())) else mask
         out[:, h * g : (h + 1) * g] = F.scaled_dot_product_attention(
-            qh, k.unsqueeze(1), v.unsqueeze(1), attn_mask=attn_mask, scale=scale, enable_gqa=True
+            qh, k4, v4, attn_mask=mask, scale=scale, enable_gqa=True
         )
     return out.transpose(1, 2).contiguous()
 
