@@ -203,3 +203,24 @@ def test_a_model_on_another_attention_gets_a_clear_error():
 
     with pytest.raises(ValueError, match=r"set_attn_implementation\('kvstack'\)"):
         KVCache(tiny_llama(attn="sdpa"), "snapkv", 0.5)
+
+
+@pytest.mark.parametrize("method", ["full", *METHODS])
+def test_one_prefill_forked_per_method_equals_compressing_during_prefill(tiny, method):
+    from kvstack.generate import Prompt, generate_forks, generate_ids
+
+    prompts = [Prompt(prompt(60, seed=12), prompt(7, seed=13)), Prompt(prompt(41, seed=14), prompt(5, seed=15))]
+    configs = [(SPECS[method], 0.5), (SPECS[method], 0.25)]
+    forked = list(generate_forks(tiny, prompts, configs, max_new_tokens=10))
+    for (spec, budget), (ids, measures) in zip(configs, forked, strict=True):
+        direct, m = generate_ids(tiny, prompts, spec, budget, query_agnostic=True, max_new_tokens=10)
+        assert ids == direct
+        assert measures["kv_bytes"] == m["kv_bytes"]
+
+
+def test_fork_refuses_a_stack_whose_statistics_were_not_recorded(llama):
+    cache = KVCache(llama)
+    _Runner(llama, cache).forward(torch.tensor([prompt(20)]), torch.ones(1, 20, dtype=torch.long))
+    with pytest.raises(ValueError, match="did not record"):
+        cache.fork("h2o", 0.5)
+    assert cache.fork("knorm", 0.5).nbytes() < cache.nbytes()

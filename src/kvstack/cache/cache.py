@@ -36,7 +36,14 @@ def text_config(config: Any) -> Any:
 class KVCache(Cache):
     """A compressed KV cache for one model: a method stack under one budget (see module docstring)."""
 
-    def __init__(self, model_or_config: Any, stack: Stack | str = "full", budget: Budget | str | float = 1.0) -> None:
+    def __init__(
+        self,
+        model_or_config: Any,
+        stack: Stack | str = "full",
+        budget: Budget | str | float = 1.0,
+        observe: frozenset[str] = frozenset(),
+        query_window: int = 0,
+    ) -> None:
         config = text_config(getattr(model_or_config, "config", model_or_config))
         if hasattr(model_or_config, "config") and getattr(config, "_attn_implementation", ATTENTION) != ATTENTION:
             raise ValueError(
@@ -66,6 +73,9 @@ class KVCache(Cache):
         self.layers: list[CompressedLayer] = layers
         self.stack = stack if isinstance(stack, Stack) else Stack.parse(stack)
         self.budget = Budget.parse(budget)
+        # recorded beyond what the stack needs, so that `fork` can serve other stacks
+        self.extra_needs, self.extra_window = frozenset(observe), query_window
+        self._source = model_or_config
         self.timings = {"compress_s": 0.0}
         self.compressions = 0
 
@@ -134,12 +144,42 @@ class KVCache(Cache):
         Statistics are billed to `compress_s`: they are work a method causes, not prefill.
         """
         started = time.perf_counter()
-        layer.observe_queries(query.detach(), query_slots, self.stack.query_window)
-        needs = self.stack.needs & statistics.STATISTICS
+        layer.observe_queries(query.detach(), query_slots, self.query_window)
+        needs = self.needs & statistics.STATISTICS
         if needs:
             statistics.record(layer, needs, query, query_slots, padding, window, scale)
         self.timings["compress_s"] += time.perf_counter() - started
         self.maintain(layer, decoding=query.shape[2] == 1)
+
+    @property
+    def needs(self) -> frozenset[str]:
+        """Statistics recorded after each attention: the stack's and any asked for with `observe`."""
+        return self.stack.needs | self.extra_needs
+
+    @property
+    def query_window(self) -> int:
+        return max(self.stack.query_window, self.extra_window)
+
+    def fork(self, stack: Stack | str, budget: Budget | str | float) -> KVCache:
+        """A copy of this cache compressed now under another stack and budget; this cache is unchanged.
+
+        Prefill once, fork per method: in query-agnostic mode this gives the same cache as
+        compressing during prefill (prefill outputs never depend on the cache's compression).
+        """
+        stack = stack if isinstance(stack, Stack) else Stack.parse(stack)
+        missing = stack.needs - self.needs
+        if missing or stack.query_window > self.query_window:
+            raise ValueError(
+                f"this cache did not record what {stack} needs ({', '.join(sorted(missing)) or 'queries'}): "
+                f"build it with KVCache(..., observe={set(stack.needs)}, query_window={stack.query_window})"
+            )
+        new = KVCache(self._source, stack, budget, self.extra_needs | self.stack.needs, self.query_window)
+        new.seq = self.seq.copy()
+        new.layers[:] = [layer.copy(new.seq) for layer in self.layers]
+        for layer in new.layers:
+            if layer.is_initialized:
+                new.maintain(layer, decoding=False)
+        return new
 
     def keep_allowed(self, layer: CompressedLayer) -> torch.Tensor:
         """(b, h) tokens each head may hold now under the budget (exempt tokens come on top)."""

@@ -7,6 +7,7 @@ marks an empty place, used only when sequences of one batch keep different count
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 import torch
@@ -47,6 +48,10 @@ class SequenceState:
         if self.padding is None:
             return None
         return (self.padding.long().cumsum(-1) - 1).clamp(min=0)
+
+    def copy(self) -> SequenceState:
+        """An independent copy (tensors are replaced, never written in place, so they are shared)."""
+        return SequenceState(self.padding, list(self.exempt))
 
     def is_exempt(self, slots: torch.Tensor) -> torch.Tensor:
         """Bool tensor like slots: True for slots inside an exempt range."""
@@ -228,6 +233,15 @@ class CompressedLayer:
             return
         index_order = torch.argsort((~inside).to(torch.int8), dim=-1, stable=True)
         self.apply(Keep(index=index_order, count=inside.sum(-1)))
+
+    def copy(self, seq: SequenceState) -> CompressedLayer:
+        """A copy that evolves on its own; tensors are shared until either side replaces them."""
+        new = copy.copy(self)
+        new.seq = seq
+        new.keys, new.values = list(self.keys), list(self.values)
+        new.slots = list(self.slots) if self.slots is not None else None
+        new.stats = {name: list(per_head) for name, per_head in self.stats.items()}
+        return new
 
     def select_batch(self, index: torch.Tensor) -> None:
         """Keep only the batch rows in `index` (beam search, finished sequences)."""
