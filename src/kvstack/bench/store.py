@@ -1,0 +1,106 @@
+"""Benchmark results in SQLite: one row per (cell, sample, question), written as each finishes.
+
+A cell is one point of a sweep (model, method, budget, mode, task, length). Rows are keyed,
+so re-running a sweep skips what is stored and nothing is counted twice; each row is
+committed on its own (WAL journal), so a kill -9 loses at most the sample in flight.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+CELL = ("model", "method", "budget", "mode", "task", "length")
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS results (
+  model TEXT NOT NULL, method TEXT NOT NULL, budget TEXT NOT NULL, mode TEXT NOT NULL,
+  task TEXT NOT NULL, length INTEGER NOT NULL, sample INTEGER NOT NULL, question INTEGER NOT NULL,
+  score REAL NOT NULL, partial REAL, answer TEXT NOT NULL, refs TEXT NOT NULL,
+  kv_bytes INTEGER, kv_bytes_full INTEGER, kv_ratio REAL,
+  prefill_s REAL, compress_s REAL, decode_tokens_per_s REAL, peak_rss_mb REAL,
+  created REAL NOT NULL,
+  PRIMARY KEY (model, method, budget, mode, task, length, sample, question)
+)
+"""
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One point of a sweep."""
+
+    model: str
+    method: str
+    budget: str
+    mode: str
+    task: str
+    length: int
+
+
+@dataclass(frozen=True)
+class Row:
+    """One scored answer with the measurements of the run that produced it."""
+
+    cell: Cell
+    sample: int
+    question: int
+    score: float
+    answer: str
+    refs: tuple[str, ...]
+    partial: float | None = None
+    kv_bytes: int | None = None
+    kv_bytes_full: int | None = None
+    kv_ratio: float | None = None
+    prefill_s: float | None = None
+    compress_s: float | None = None
+    decode_tokens_per_s: float | None = None
+    peak_rss_mb: float | None = None
+
+
+class Store:
+    """The results file of one benchmark directory."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self.db = sqlite3.connect(path, timeout=60)
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute(SCHEMA)
+        self.db.commit()
+
+    def done(self, cell: Cell) -> set[tuple[int, int]]:
+        """(sample, question) pairs already stored for `cell`."""
+        where = " AND ".join(f"{k} = ?" for k in CELL)
+        cur = self.db.execute(f"SELECT sample, question FROM results WHERE {where}", astuple_cell(cell))
+        return {(s, q) for s, q in cur}
+
+    def add(self, row: Row) -> bool:
+        """Store a row unless its key is there already; True if it was new. Committed at once."""
+        values = {**asdict(row.cell), **{f.name: getattr(row, f.name) for f in fields(Row) if f.name != "cell"}}
+        values["refs"] = json.dumps(list(row.refs))
+        values["created"] = time.time()
+        cols = ", ".join(values)
+        marks = ", ".join("?" for _ in values)
+        cur = self.db.execute(f"INSERT OR IGNORE INTO results ({cols}) VALUES ({marks})", tuple(values.values()))
+        self.db.commit()
+        return cur.rowcount == 1
+
+    def rows(self) -> Iterator[dict[str, Any]]:
+        """Every stored row as a dict (refs decoded)."""
+        cur = self.db.execute("SELECT * FROM results ORDER BY model, task, length, mode, method, budget, sample")
+        names = [d[0] for d in cur.description]
+        for values in cur:
+            row = dict(zip(names, values, strict=True))
+            row["refs"] = json.loads(row["refs"])
+            yield row
+
+    def close(self) -> None:
+        self.db.close()
+
+
+def astuple_cell(cell: Cell) -> tuple[Any, ...]:
+    return tuple(getattr(cell, k) for k in CELL)
