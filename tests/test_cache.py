@@ -224,3 +224,9 @@ def test_fork_refuses_a_stack_whose_statistics_were_not_recorded(llama):
     with pytest.raises(ValueError, match="did not record"):
         cache.fork("h2o", 0.5)
     assert cache.fork("knorm", 0.5).nbytes() < cache.nbytes()
+
+
+def test_a_batch_row_without_a_question_continues_its_context(llama):
+    rows = [(prompt(30, seed=16), prompt(5, seed=17)), (prompt(22, seed=18), [])]
+    together, _ = ids_of(llama, rows, "knorm", 0.5, agnostic=True)
+    assert together[1] == ids_of(llama, [rows[1]], "knorm", 0.5, agnostic=True)[0][0]

@@ -196,10 +196,15 @@ def generate_forks(
 
 def _ask(runner: _Runner, prompts: list[Prompt], pad_id: int) -> torch.Tensor | None:
     """Append the questions uncompressed (exempt) after a compressed context; last logits."""
+    before = runner.last_logits
     if not any(p.question for p in prompts):
-        return runner.last_logits
+        return before
     with runner.cache.exempt():
-        return runner.forward(*_left_pad([p.question for p in prompts], pad_id))
+        logits = runner.forward(*_left_pad([p.question for p in prompts], pad_id))
+    empty = torch.tensor([not p.question for p in prompts], device=logits.device)
+    if bool(empty.any()) and before is not None:  # a row without a question continues its context
+        logits = torch.where(empty[:, None], before, logits)
+    return logits
 
 
 def _finish(
