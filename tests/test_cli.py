@@ -112,3 +112,63 @@ def test_a_context_longer_than_the_model_allows_is_refused(tmp_path):
     path.write_text(" ".join(needle_sample(words=7000).context.split()[:7000]))
     code, _, err = run("generate", "--model", "smollm2-135m", "-c", str(path), "-q", "What?")
     assert code == 2 and "exceeds the model's maximum of 8192 tokens" in err
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    """A tiny random Llama with a character tokenizer, saved as a local transformers folder."""
+    from tiny import char_tokenizer, tiny_llama
+
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    tiny_llama().save_pretrained(folder)
+    char_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def test_bench_runs_resumes_and_reports(tiny_folder, tmp_path):
+    args = (
+        "bench",
+        "--model",
+        str(tiny_folder),
+        "--methods",
+        "streaming(sinks=2, every=2),knorm",
+        "--budgets",
+        "0.5,0.25",
+        "--tasks",
+        "niah_single,vt",
+        "--lengths",
+        "400",
+        "--samples",
+        "2",
+        "--out",
+        str(tmp_path),
+    )
+    code, out, err = run(*args)
+    assert code == 0, err
+    assert "20 new answers" in out  # (full + 2 methods x 2 budgets) x 2 tasks x 2 samples
+    assert (tmp_path / "report.html").exists() and (tmp_path / "score_vs_kv_0.png").exists()
+    assert "streaming(every=2, sinks=2)" in out and "knorm" in out and "full cache" in out
+    code, out, _ = run(*args)
+    assert code == 0 and "0 new answers" in out
+    code, out, _ = run("report", str(tmp_path))
+    assert code == 0 and "report.html" in out
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--tasks", "niah_singel"], "did you mean niah_single"),
+        (["--lengths", "2q"], "length '2q' is not understood"),
+        (["--methods", "snapvk"], "did you mean snapkv"),
+        (["--budgets", "2"], "out of range"),
+        (["--modes", "both"], "unknown mode"),
+    ],
+)
+def test_bench_bad_input_is_one_line(tmp_path, args, message):
+    code, _, err = run("bench", "--out", str(tmp_path), *args)
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1
+
+
+def test_report_of_an_empty_folder(tmp_path):
+    code, _, err = run("report", str(tmp_path))
+    assert code == 2 and "run `kvstack bench" in err

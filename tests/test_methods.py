@@ -93,3 +93,9 @@ def test_bad_specs_are_one_line_errors(spec):
 def test_spec_round_trips():
     stack = Stack.parse("streaming(sinks=2, every=3)")
     assert Stack.parse(str(stack)) == stack
+
+
+def test_labels_show_only_changed_parameters():
+    assert Stack.parse("snapkv").label == "snapkv"
+    assert Stack.parse("streaming(sinks=8, every=1)").label == "streaming(sinks=8)"
+    assert Stack.parse(Stack.parse("h2o(recent=0.25)").label) == Stack.parse("h2o(recent=0.25)")

@@ -47,3 +47,27 @@ def tiny_gemma3(attn: str = "kvstack", seed: int = 0) -> Gemma3ForCausalLM:
 def with_attention(model: torch.nn.Module, attn: str) -> torch.nn.Module:
     model.set_attn_implementation(attn)
     return model
+
+
+def char_tokenizer():
+    """A character-level tokenizer over printable ASCII whose ids fit the tiny models' vocabulary."""
+    from tokenizers import Tokenizer, decoders
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Split
+    from transformers import PreTrainedTokenizerFast
+
+    chars = [chr(c) for c in range(32, 127)]  # 95 characters
+    vocab = {"<pad>": 0, "<unk>": 1, **{c: i + 2 for i, c in enumerate(chars)}}
+    backend = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = Split("", "isolated")
+    backend.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", unk_token="<unk>")
+    assert len(tok) <= VOCAB
+    return tok
+
+
+def tiny_loaded(make=tiny_llama):
+    """A tiny model with the char tokenizer, packaged like `kvstack.load` returns it."""
+    from kvstack.models.loading import LoadedModel
+
+    return LoadedModel(name="tiny", model=make(), tokenizer=char_tokenizer(), chat=False, add_bos=False)

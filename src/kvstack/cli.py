@@ -137,6 +137,109 @@ def generate(
     )
 
 
+def _split(text: str) -> tuple[str, ...]:
+    """Comma-separated values; commas inside parentheses belong to a method's parameters."""
+    from kvstack.stack import _split_top
+
+    return tuple(part.strip() for part in _split_top(text, ",") if part.strip())
+
+
+def _length(text: str) -> int:
+    raw = text.strip().lower()
+    try:
+        return int(float(raw[:-1]) * 1024) if raw.endswith("k") else int(raw)
+    except ValueError:
+        raise UserError(f"length '{text}' is not understood: write 2k, 4k or a token count like 3000") from None
+
+
+@app.command()
+def bench(
+    out_dir: Annotated[Path, typer.Option("--out", help="folder for results.sqlite, report.html and plots")],
+    model: Annotated[str, typer.Option("--model", "-m", help="registered name, local folder or .gguf")] = DEFAULT,
+    methods: Annotated[str, typer.Option(help="comma-separated method specs")] = "snapkv,knorm,streaming",
+    budgets: Annotated[str, typer.Option(help="comma-separated budgets")] = "0.5,0.25,0.125",
+    tasks: Annotated[str, typer.Option(help="comma-separated tasks")] = "niah_single,niah_multikey,vt",
+    lengths: Annotated[str, typer.Option(help="comma-separated context lengths: 2k, 4k, 3000")] = "2k",
+    modes: Annotated[str, typer.Option(help="agnostic (context compressed before the question), aware")] = "agnostic",
+    samples: Annotated[int, typer.Option(help="samples per task and length (same seeds for every method)")] = 20,
+    seed: Annotated[int, typer.Option(help="seed of the samples")] = 0,
+) -> None:
+    """Sweep methods x budgets x tasks on one model; resumable (re-run the same command), then report."""
+    try:
+        from kvstack.bench.runner import Sweep, run_sweep
+        from kvstack.bench.store import Store
+
+        sweep = Sweep(
+            model,
+            _split(methods),
+            _split(budgets),
+            _split(tasks),
+            tuple(_length(x) for x in _split(lengths)),
+            _split(modes),
+            samples,
+            seed,
+        )
+        configs = sweep.configs()  # parses every spec and budget before anything is loaded
+        for stack, budget in configs:
+            stack.check_budget(budget)
+        from kvstack.models import load
+
+        with err.status(f"loading {model}"):
+            lm = load(model)
+        if lm.max_context and max(sweep.lengths) > lm.max_context:
+            raise UserError(f"length {max(sweep.lengths)} exceeds {model}'s maximum of {lm.max_context} tokens")
+        store = Store(out_dir / "results.sqlite")
+        written = run_sweep(lm, sweep, store, err)
+        store.close()
+        report_path = _report(out_dir)
+    except UserError as e:
+        _fail(str(e))
+        return
+    out.print(f"{written} new answers in {out_dir / 'results.sqlite'}; report: {report_path}", highlight=False)
+
+
+@app.command()
+def report(out_dir: Annotated[Path, typer.Argument(help="a folder written by `kvstack bench`")]) -> None:
+    """Write report.html and plots for a benchmark folder and print the score table."""
+    try:
+        path = _report(out_dir)
+    except UserError as e:
+        _fail(str(e))
+        return
+    out.print(f"report: {path}", highlight=False)
+
+
+def _report(out_dir: Path) -> Path:
+    """Print the mean-score table of every group, write the HTML report, return its path."""
+    import statistics
+
+    from kvstack.bench.report import aggregate, budgets_of, write_report
+    from kvstack.bench.store import Store
+
+    if not (out_dir / "results.sqlite").exists():
+        raise UserError(f"no results in {out_dir}: run `kvstack bench --out {out_dir}` first")
+    store = Store(out_dir / "results.sqlite")
+    groups = aggregate(store.rows())
+    store.close()
+    for (model, mode, length), points in sorted(groups.items()):
+        budgets = budgets_of(points)
+        table = Table(title=f"{model}, {length} tokens, query-{mode}: mean score over tasks")
+        table.add_column("method", no_wrap=True)
+        for b in budgets:
+            table.add_column(b, justify="right")
+        full = [p.score for p in points if p.method == "full"]
+        if full:
+            table.add_row("full cache", *[f"{statistics.fmean(full):.2f}"] * len(budgets))
+        for method in sorted({p.method for p in points if p.method != "full"}):
+            cells = []
+            for b in budgets:
+                scores = [p.score for p in points if p.method == method and p.budget == b]
+                cells.append(f"{statistics.fmean(scores):.2f}" if scores else "-")
+            table.add_row(method, *cells)
+        out.print(table)
+    return write_report(out_dir)
+
+
 def _read_context(path: Path) -> str:
     try:
         text = path.read_text(encoding="utf-8")

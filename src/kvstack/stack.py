@@ -63,6 +63,11 @@ class Stack:
     def __str__(self) -> str:
         return "+".join(_format_stage(s) for s in self.stages)
 
+    @property
+    def label(self) -> str:
+        """The spec with only the parameters that differ from their defaults: `snapkv`, `streaming(sinks=8)`."""
+        return "+".join(_format_stage(s, changed_only=True) for s in self.stages)
+
 
 def _split_top(text: str, sep: str) -> list[str]:
     """Split on `sep` outside parentheses."""
@@ -110,8 +115,11 @@ def _parse_stage(text: str) -> Method:
         raise UserError(str(err)) from None
 
 
-def _format_stage(stage: Method) -> str:
+def _format_stage(stage: Method, changed_only: bool = False) -> str:
     params = stage.params()
+    if changed_only:
+        defaults = {f.name: f.default for f in fields(stage)}
+        params = {k: v for k, v in params.items() if v != defaults[k]}
     if not params:
         return stage.name
     return f"{stage.name}({', '.join(f'{k}={v!r}' for k, v in params.items())})"

@@ -1,0 +1,184 @@
+"""Run a sweep: every (task, length, sample) x (mode, method, budget), resumably, one row per answer.
+
+Query-agnostic cells share one prefill per sample (`generate_forks`); query-aware cells each
+prefill context and question together. Rows already in the store are skipped, so a re-run
+after Ctrl-C or kill -9 finishes the sweep without recomputing or double-counting anything.
+"""
+
+from __future__ import annotations
+
+import resource
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from kvstack.bench.score import digit_partial, string_match_all
+from kvstack.bench.store import Cell, Row, Store
+from kvstack.bench.tasks.needle import python_docs_words
+from kvstack.bench.tasks.ruler import CountTokens, Question, Sample, common_words, niah, variable_tracking
+from kvstack.cache.budget import Budget
+from kvstack.errors import UserError, unknown_name
+from kvstack.generate import generate_forks, generate_ids, warm_up
+from kvstack.models.loading import LoadedModel
+from kvstack.models.prompts import build_prompt, eos_ids
+from kvstack.stack import Stack
+
+PROMPT_ROOM = 96  # tokens of a target length left for the question, chat template and answer prefix
+MODES = ("agnostic", "aware")
+
+
+def _prose() -> list[str]:
+    return [s.strip() + "." for s in " ".join(python_docs_words()).split(". ") if s.strip()]
+
+
+TaskFn = Callable[[int, int, CountTokens, int], Sample]
+TASKS: dict[str, TaskFn] = {
+    "niah_single": partial(niah, "niah_single"),
+    "niah_single_prose": lambda i, n, count, seed: niah("niah_single_prose", i, n, count, seed, "prose", _prose()),
+    "niah_multikey": partial(niah, "niah_multikey", keys=4),
+    "niah_multivalue": partial(niah, "niah_multivalue", values=4),
+    "niah_multiquery": partial(niah, "niah_multiquery", keys=4, queries=2),
+    "vt": variable_tracking,
+    "cwe": common_words,
+}
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """What to run; `full` at budget 1 is always added as the reference."""
+
+    model: str
+    methods: tuple[str, ...]
+    budgets: tuple[str, ...]
+    tasks: tuple[str, ...]
+    lengths: tuple[int, ...]
+    modes: tuple[str, ...] = ("agnostic",)
+    samples: int = 20
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for task in self.tasks:
+            if task not in TASKS:
+                raise unknown_name("task", task, list(TASKS))
+        for mode in self.modes:
+            if mode not in MODES:
+                raise unknown_name("mode", mode, list(MODES))
+        if self.samples < 1:
+            raise UserError("--samples must be at least 1")
+        for length in self.lengths:
+            if length <= PROMPT_ROOM * 2:
+                raise UserError(f"length {length} is too short: use at least {PROMPT_ROOM * 2 + 1} tokens")
+
+    def configs(self) -> list[tuple[Stack, Budget]]:
+        """(stack, budget) pairs, the full-cache reference first; specs are parsed (errors early)."""
+        out = [(Stack.parse("full"), Budget.parse(1.0))]
+        for spec in self.methods:
+            stack = Stack.parse(spec)
+            if stack.evictor is None:
+                continue
+            out += [(stack, Budget.parse(b)) for b in self.budgets]
+        return out
+
+
+@dataclass(frozen=True)
+class Work:
+    """One question of one sample, to be answered in one mode under every config."""
+
+    sample: Sample
+    question_index: int
+    question: Question
+    length: int
+    mode: str
+
+
+def plan(lm: LoadedModel, sweep: Sweep) -> list[Work]:
+    """Every (sample, question, mode) of the sweep, samples generated from their seeds."""
+
+    def count(text: str) -> int:
+        return len(lm.tokenizer.encode(text, add_special_tokens=False))
+
+    work = []
+    for task in sweep.tasks:
+        for length in sweep.lengths:
+            for index in range(sweep.samples):
+                sample = TASKS[task](index, length - PROMPT_ROOM, count, sweep.seed)
+                for qi, q in enumerate(sample.questions):
+                    work += [Work(sample, qi, q, length, mode) for mode in sweep.modes]
+    return work
+
+
+def score(answer: str, refs: tuple[str, ...]) -> tuple[float, float | None]:
+    """RULER string match, and the digit-level partial score when there is one numeric reference."""
+    partial_score = digit_partial(answer, refs[0]) if len(refs) == 1 and refs[0].isdigit() else None
+    return string_match_all(answer, refs), partial_score
+
+
+def run_sweep(lm: LoadedModel, sweep: Sweep, store: Store, console: Console | None = None) -> int:
+    """Answer every missing (cell, sample, question); returns how many rows were written."""
+    configs = sweep.configs()
+    work = plan(lm, sweep)
+    eos = eos_ids(lm)
+    pad = lm.tokenizer.pad_token_id if lm.tokenizer.pad_token_id is not None else 0
+    warm_up(lm.model)
+    written = 0
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+    )
+    with Progress(*columns, console=console or Console(stderr=True), transient=False) as bar:
+        task_bar = bar.add_task("sweep", total=len(work) * len(configs))
+        for item in work:
+            cells = {
+                (stack.label, str(budget)): Cell(
+                    lm.name, stack.label, str(budget), item.mode, item.sample.task, item.length
+                )
+                for stack, budget in configs
+            }
+            todo = [
+                (s, b)
+                for s, b in configs
+                if (item.sample.index, item.question_index) not in store.done(cells[(s.label, str(b))])
+            ]
+            bar.advance(task_bar, len(configs) - len(todo))
+            if not todo:
+                continue
+            bar.update(task_bar, description=f"{item.sample.task} {item.length} #{item.sample.index} {item.mode}")
+            prompt = build_prompt(lm, item.sample.context, item.question.question, item.question.answer_prefix)
+            new = item.question.max_new_tokens
+            if item.mode == "agnostic":
+                results = generate_forks(lm.model, [prompt], todo, new, eos, pad)
+            else:
+                results = (generate_ids(lm.model, [prompt], s, b, False, new, eos, pad) for s, b in todo)
+            for (stack, budget), (ids, m) in zip(todo, results, strict=True):
+                answer = lm.tokenizer.decode(ids[0], skip_special_tokens=True).strip()
+                s, p = score(answer, item.question.answers)
+                row = Row(
+                    cells[(stack.label, str(budget))],
+                    item.sample.index,
+                    item.question_index,
+                    s,
+                    answer,
+                    item.question.answers,
+                    p,
+                    m["kv_bytes"],
+                    m["kv_bytes_full"],
+                    m["kv_ratio"],
+                    m["prefill_s"],
+                    m["compress_s"],
+                    m["decode_tokens_per_s"],
+                    _peak_rss_mb(),
+                )
+                written += store.add(row)
+                bar.advance(task_bar)
+    return written
+
+
+def _peak_rss_mb() -> float:
+    """This process's peak resident memory so far (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -1,0 +1,65 @@
+"""A sweep on a tiny model: every cell gets its rows, a re-run adds nothing, partial runs resume."""
+
+import pytest
+
+from kvstack.bench.runner import Sweep, plan, run_sweep, score
+from kvstack.bench.store import Store
+from kvstack.errors import UserError
+from tiny import tiny_loaded
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return tiny_loaded()
+
+
+SWEEP = Sweep(
+    "tiny",
+    ("streaming", "knorm"),
+    ("0.5", "0.25"),
+    ("niah_single", "niah_multiquery"),
+    (400,),
+    ("agnostic", "aware"),
+    samples=2,
+)
+
+
+def test_a_sweep_writes_one_row_per_cell_sample_and_question_and_resumes(lm, tmp_path):
+    store = Store(tmp_path / "results.sqlite")
+    configs = len(SWEEP.configs())  # full + 2 methods x 2 budgets
+    questions = 2 * 1 + 2 * 2  # niah_single asks one, niah_multiquery two, per sample
+    assert configs == 5
+    expected = configs * questions * len(SWEEP.modes)
+    assert run_sweep(lm, SWEEP, store) == expected
+    assert run_sweep(lm, SWEEP, store) == 0  # nothing recomputed, nothing counted twice
+    rows = list(store.rows())
+    assert len(rows) == expected
+    full = [r for r in rows if r["method"] == "full"]
+    assert all(r["kv_ratio"] == pytest.approx(1.0, abs=0.02) for r in full)
+    # aware: the whole prompt is under budget; agnostic: the exempt question comes on top
+    assert all(r["kv_ratio"] <= 0.26 for r in rows if r["budget"] == "0.25" and r["mode"] == "aware")
+    assert all(r["kv_ratio"] < 0.9 for r in rows if r["budget"] == "0.25")
+    # a bigger sweep resumes: only the new samples run
+    bigger = Sweep(**{**SWEEP.__dict__, "samples": 3})
+    assert run_sweep(lm, bigger, store) == configs * (1 + 2) * len(SWEEP.modes)
+
+
+def test_plan_is_deterministic(lm):
+    a, b = plan(lm, SWEEP), plan(lm, SWEEP)
+    assert [w.sample.context for w in a] == [w.sample.context for w in b]
+
+
+def test_bad_sweeps_are_one_line_errors():
+    with pytest.raises(UserError, match="did you mean niah_single"):
+        Sweep("tiny", ("knorm",), ("0.5",), ("niah_singel",), (400,))
+    with pytest.raises(UserError, match="unknown mode"):
+        Sweep("tiny", ("knorm",), ("0.5",), ("vt",), (400,), ("both",))
+    with pytest.raises(UserError, match="too short"):
+        Sweep("tiny", ("knorm",), ("0.5",), ("vt",), (100,))
+    with pytest.raises(UserError, match="did you mean snapkv"):
+        Sweep("tiny", ("snapvk",), ("0.5",), ("vt",), (400,)).configs()
+
+
+def test_score_reports_partial_digits_for_numbers():
+    assert score("73. It is", ("7391524",)) == (0.0, pytest.approx(2 / 7))
+    assert score("Dolores Park", ("dolores park",)) == (1.0, None)
