@@ -230,3 +230,18 @@ def test_a_batch_row_without_a_question_continues_its_context(llama):
     rows = [(prompt(30, seed=16), prompt(5, seed=17)), (prompt(22, seed=18), [])]
     together, _ = ids_of(llama, rows, "knorm", 0.5, agnostic=True)
     assert together[1] == ids_of(llama, [rows[1]], "knorm", 0.5, agnostic=True)[0][0]
+
+
+def test_fidelity_is_perfect_for_the_full_cache_and_degrades_with_budget(tiny):
+    from kvstack.generate import fidelity_forks
+
+    rows = list(
+        fidelity_forks(
+            tiny, prompt(80, seed=20), prompt(24, seed=21), [("full", 1.0), ("knorm", 0.5), ("knorm", 0.125)]
+        )
+    )
+    full, half, eighth = rows
+    assert full["kl"] == pytest.approx(0.0, abs=1e-6) and full["top1"] == 1.0
+    assert full["ppl"] > 1.0 and full["kv_ratio"] == 1.0
+    assert half["kl"] > 1e-6 and eighth["kl"] > 1e-6  # evicting context changes the continuation
+    assert eighth["kv_ratio"] <= 0.125

@@ -39,9 +39,18 @@ def test_a_sweep_writes_one_row_per_cell_sample_and_question_and_resumes(lm, tmp
     # aware: the whole prompt is under budget; agnostic: the exempt question comes on top
     assert all(r["kv_ratio"] <= 0.26 for r in rows if r["budget"] == "0.25" and r["mode"] == "aware")
     assert all(r["kv_ratio"] < 0.9 for r in rows if r["budget"] == "0.25")
+    # fidelity: one row per config and sample, full cache perfect by definition
+    fid = Sweep("tiny", ("knorm",), ("0.25",), ("fidelity",), (400,), samples=2)
+    assert run_sweep(lm, fid, store) == 2 * 2
+    fid_rows = [r for r in store.rows() if r["task"] == "fidelity"]
+    assert all(r["score"] == 1.0 and r["kl"] == 0.0 for r in fid_rows if r["method"] == "full")
+    assert all(r["kl"] > 0 and r["ppl"] > 1 for r in fid_rows if r["method"] == "knorm")
     # a bigger sweep resumes: only the new samples run
     bigger = Sweep(**{**SWEEP.__dict__, "samples": 3})
     assert run_sweep(lm, bigger, store) == configs * (1 + 2) * len(SWEEP.modes)
+    from kvstack.bench.report import write_report
+
+    assert "fidelity" in write_report(tmp_path).read_text()
 
 
 def test_plan_is_deterministic(lm):

@@ -84,8 +84,8 @@ class _Runner:
         return runner
 
     @torch.inference_mode()
-    def forward(self, ids: torch.Tensor, chunk_mask: torch.Tensor) -> torch.Tensor:
-        """Run one chunk (b, q); return the last position's logits (b, vocab)."""
+    def forward(self, ids: torch.Tensor, chunk_mask: torch.Tensor, every_position: bool = False) -> torch.Tensor:
+        """Run one chunk (b, q); the last position's logits (b, vocab), or all of them (b, q, vocab)."""
         device = self.model.device
         ids, chunk_mask = ids.to(device), chunk_mask.to(device)
         self.mask = chunk_mask if self.mask is None else torch.cat([self.mask, chunk_mask], dim=1)
@@ -97,11 +97,11 @@ class _Runner:
             position_ids=positions,
             past_key_values=self.cache,
             use_cache=True,
-            logits_to_keep=1,
+            logits_to_keep=0 if every_position else 1,
             cache_position=torch.arange(start, self.mask.shape[1], device=device),
         )
         self.last_logits = out.logits[:, -1].float()
-        return self.last_logits
+        return out.logits.float() if every_position else self.last_logits
 
 
 def warm_up(model: Any) -> None:
@@ -192,6 +192,39 @@ def generate_forks(
         runner = source.fork(stack, budget)
         logits = _ask(runner, prompts, pad_id)
         yield _finish(runner, logits, prefill_s, max_new_tokens, eos_ids or set(), query_agnostic=True)
+
+
+def fidelity_forks(
+    model: Any, context: list[int], continuation: list[int], configs: list[tuple[Stack | str, Budget | str | float]]
+) -> Iterator[dict[str, Any]]:
+    """Language-model fidelity per (stack, budget): compress `context`, teacher-force `continuation`.
+
+    Yields, per config: perplexity of the continuation, mean KL(full || compressed) of the
+    next-token distributions, top-1 agreement with the full cache, and the measured bytes.
+    """
+    stacks = [(s if isinstance(s, Stack) else Stack.parse(s), Budget.parse(b)) for s, b in configs]
+    needs = frozenset().union(*(s.needs for s, _ in stacks))
+    window = max((s.query_window for s, _ in stacks), default=0)
+    source = _Runner(model, KVCache(model, "full", 1.0, observe=needs, query_window=window))
+    source.forward(torch.tensor([context]), torch.ones(1, len(context), dtype=torch.long))
+    follow = torch.tensor([continuation])
+    ones = torch.ones_like(follow)
+    reference = source.fork(Stack.parse("full"), Budget.parse(1.0)).forward(follow, ones, every_position=True)[0]
+    ref_logp = torch.log_softmax(reference[:-1], -1)
+    targets = follow[0, 1:].to(reference.device)
+    for stack, budget in stacks:
+        runner = source.fork(stack, budget)
+        kv_bytes, kv_full = runner.cache.nbytes(), runner.cache.full_nbytes()
+        logp = torch.log_softmax(runner.forward(follow, ones, every_position=True)[0][:-1], -1)
+        yield {
+            "ppl": float(torch.exp(-logp.gather(-1, targets[:, None]).mean())),
+            "kl": float((ref_logp.exp() * (ref_logp - logp)).sum(-1).mean()),
+            "top1": float((logp.argmax(-1) == ref_logp.argmax(-1)).float().mean()),
+            "kv_bytes": kv_bytes,
+            "kv_bytes_full": kv_full,
+            "kv_ratio": kv_bytes / kv_full if kv_full else 1.0,
+            "compress_s": runner.cache.timings["compress_s"],
+        }
 
 
 def _ask(runner: _Runner, prompts: list[Prompt], pad_id: int) -> torch.Tensor | None:

@@ -50,9 +50,9 @@ def aggregate(rows: Iterable[dict[str, Any]]) -> dict[Group, list[Point]]:
                 score=statistics.fmean(r["score"] for r in rs),
                 kv_ratio=statistics.fmean(r["kv_ratio"] for r in rs),
                 n=len(rs),
-                prefill_s=statistics.median(r["prefill_s"] for r in rs),
-                compress_s=statistics.median(r["compress_s"] for r in rs),
-                decode_tokens_per_s=statistics.median(r["decode_tokens_per_s"] for r in rs),
+                prefill_s=_median(r["prefill_s"] for r in rs),
+                compress_s=_median(r["compress_s"] for r in rs),
+                decode_tokens_per_s=_median(r["decode_tokens_per_s"] for r in rs),
             )
         )
     return dict(out)
@@ -153,9 +153,9 @@ def speed_table(points: list[Point]) -> str:
         rows.append(
             f"<tr><td>{html.escape(method)}</td><td>{html.escape(budget)}</td>"
             f"<td>{statistics.fmean(p.kv_ratio for p in ps):.3f}</td>"
-            f"<td>{statistics.median(p.prefill_s for p in ps):.2f}</td>"
-            f"<td>{statistics.median(p.compress_s for p in ps):.3f}</td>"
-            f"<td>{statistics.median(p.decode_tokens_per_s for p in ps):.1f}</td></tr>"
+            f"<td>{_median(p.prefill_s for p in ps):.2f}</td>"
+            f"<td>{_median(p.compress_s for p in ps):.3f}</td>"
+            f"<td>{_median(p.decode_tokens_per_s for p in ps):.1f}</td></tr>"
         )
     return (
         "<table><tr><th>method</th><th>budget</th><th>KV ratio</th><th>prefill s</th><th>compress s</th>"
@@ -189,7 +189,8 @@ def write_report(out_dir: Path) -> Path:
         "body{font-family:sans-serif;margin:2em;max-width:1400px}table{border-collapse:collapse;margin:.5em 0}"
         "td,th{border:1px solid #ccc;padding:.25em .6em;text-align:right}td:first-child{text-align:left}"
         "img{max-width:100%}</style></head><body><h1>kvstack benchmark</h1>"
-        "<p>Scores are RULER string match (share of reference strings in the answer); KV ratio is measured "
+        "<p>Scores are RULER string match (share of reference strings in the answer); for <i>fidelity</i> the "
+        "score is top-1 agreement with the full cache while teacher-forcing real text. KV ratio is measured "
         "from the cache's tensors after the prompt; percentages are relative to the full cache.</p>"
         + "".join(sections)
         + "</body></html>"
@@ -197,6 +198,12 @@ def write_report(out_dir: Path) -> Path:
     report = out_dir / "report.html"
     report.write_text(page)
     return report
+
+
+def _median(values: Iterable[float | None]) -> float:
+    """Median of the measured values (fidelity rows have no decode), NaN when there are none."""
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else float("nan")
 
 
 def _fmt(v: float | None) -> str:

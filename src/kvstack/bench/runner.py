@@ -18,10 +18,18 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from kvstack.bench.score import digit_partial, string_match_all
 from kvstack.bench.store import Cell, Row, Store
 from kvstack.bench.tasks.needle import python_docs_words
-from kvstack.bench.tasks.ruler import CountTokens, Question, Sample, common_words, niah, variable_tracking
+from kvstack.bench.tasks.ruler import (
+    CountTokens,
+    Question,
+    Sample,
+    common_words,
+    niah,
+    rng_for,
+    variable_tracking,
+)
 from kvstack.cache.budget import Budget
 from kvstack.errors import UserError, unknown_name
-from kvstack.generate import generate_forks, generate_ids, warm_up
+from kvstack.generate import fidelity_forks, generate_forks, generate_ids, warm_up
 from kvstack.models.loading import LoadedModel
 from kvstack.models.prompts import build_prompt, eos_ids
 from kvstack.stack import Stack
@@ -44,6 +52,7 @@ TASKS: dict[str, TaskFn] = {
     "vt": variable_tracking,
     "cwe": common_words,
 }
+ALL_TASKS = (*TASKS, "fidelity")
 
 
 @dataclass(frozen=True)
@@ -61,8 +70,8 @@ class Sweep:
 
     def __post_init__(self) -> None:
         for task in self.tasks:
-            if task not in TASKS:
-                raise unknown_name("task", task, list(TASKS))
+            if task not in ALL_TASKS:
+                raise unknown_name("task", task, list(ALL_TASKS))
         for mode in self.modes:
             if mode not in MODES:
                 raise unknown_name("mode", mode, list(MODES))
@@ -84,6 +93,32 @@ class Sweep:
 
 
 @dataclass(frozen=True)
+class FidelityWork:
+    """Compress `context`, teacher-force `continuation` (token ids of real prose); score = top-1 agreement."""
+
+    index: int
+    length: int
+    context: tuple[int, ...]
+    continuation: tuple[int, ...]
+
+
+FIDELITY_TOKENS = 32  # continuation tokens teacher-forced after the compressed context
+
+
+def fidelity_work(lm: LoadedModel, lengths: tuple[int, ...], samples: int, seed: int) -> list[FidelityWork]:
+    """Windows of the prose corpus at seeded offsets: context of `length` tokens, then its continuation."""
+    ids = lm.tokenizer.encode(" ".join(python_docs_words()), add_special_tokens=False)
+    out = []
+    for length in lengths:
+        for index in range(samples):
+            rng = rng_for("fidelity", index * 1_000_003 + length, seed)
+            start = rng.randrange(0, len(ids) - length - FIDELITY_TOKENS)
+            window = ids[start : start + length + FIDELITY_TOKENS]
+            out.append(FidelityWork(index, length, tuple(window[:length]), tuple(window[length:])))
+    return out
+
+
+@dataclass(frozen=True)
 class Work:
     """One question of one sample, to be answered in one mode under every config."""
 
@@ -101,7 +136,7 @@ def plan(lm: LoadedModel, sweep: Sweep) -> list[Work]:
         return len(lm.tokenizer.encode(text, add_special_tokens=False))
 
     work = []
-    for task in sweep.tasks:
+    for task in (t for t in sweep.tasks if t != "fidelity"):
         for length in sweep.lengths:
             for index in range(sweep.samples):
                 sample = TASKS[task](index, length - PROMPT_ROOM, count, sweep.seed)
@@ -131,8 +166,41 @@ def run_sweep(lm: LoadedModel, sweep: Sweep, store: Store, console: Console | No
         TimeElapsedColumn(),
         TimeRemainingColumn(),
     )
+    fidelity = fidelity_work(lm, sweep.lengths, sweep.samples, sweep.seed) if "fidelity" in sweep.tasks else []
     with Progress(*columns, console=console or Console(stderr=True), transient=False) as bar:
-        task_bar = bar.add_task("sweep", total=len(work) * len(configs))
+        task_bar = bar.add_task("sweep", total=(len(work) + len(fidelity)) * len(configs))
+        for fw in fidelity:
+            cells = {
+                (s.label, str(b)): Cell(lm.name, s.label, str(b), "agnostic", "fidelity", fw.length) for s, b in configs
+            }
+            todo = [(s, b) for s, b in configs if (fw.index, 0) not in store.done(cells[(s.label, str(b))])]
+            bar.advance(task_bar, len(configs) - len(todo))
+            if not todo:
+                continue
+            bar.update(task_bar, description=f"fidelity {fw.length} #{fw.index}")
+            for (stack, budget), m in zip(
+                todo, fidelity_forks(lm.model, list(fw.context), list(fw.continuation), todo), strict=True
+            ):
+                row = Row(
+                    cells[(stack.label, str(budget))],
+                    fw.index,
+                    0,
+                    m["top1"],
+                    "",
+                    (),
+                    None,
+                    m["kv_bytes"],
+                    m["kv_bytes_full"],
+                    m["kv_ratio"],
+                    None,
+                    m["compress_s"],
+                    None,
+                    _peak_rss_mb(),
+                    m["kl"],
+                    m["ppl"],
+                )
+                written += store.add(row)
+                bar.advance(task_bar)
         for item in work:
             cells = {
                 (stack.label, str(budget)): Cell(

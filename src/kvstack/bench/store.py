@@ -20,7 +20,7 @@ SCHEMA = """
 CREATE TABLE IF NOT EXISTS results (
   model TEXT NOT NULL, method TEXT NOT NULL, budget TEXT NOT NULL, mode TEXT NOT NULL,
   task TEXT NOT NULL, length INTEGER NOT NULL, sample INTEGER NOT NULL, question INTEGER NOT NULL,
-  score REAL NOT NULL, partial REAL, answer TEXT NOT NULL, refs TEXT NOT NULL,
+  score REAL NOT NULL, partial REAL, answer TEXT NOT NULL, refs TEXT NOT NULL, kl REAL, ppl REAL,
   kv_bytes INTEGER, kv_bytes_full INTEGER, kv_ratio REAL,
   prefill_s REAL, compress_s REAL, decode_tokens_per_s REAL, peak_rss_mb REAL,
   created REAL NOT NULL,
@@ -59,6 +59,8 @@ class Row:
     compress_s: float | None = None
     decode_tokens_per_s: float | None = None
     peak_rss_mb: float | None = None
+    kl: float | None = None  # fidelity: mean KL(full || compressed) of next-token distributions
+    ppl: float | None = None  # fidelity: perplexity of the real continuation
 
 
 class Store:
