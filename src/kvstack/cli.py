@@ -163,6 +163,7 @@ def bench(
     modes: Annotated[str, typer.Option(help="agnostic (context compressed before the question), aware")] = "agnostic",
     samples: Annotated[int, typer.Option(help="samples per task and length (same seeds for every method)")] = 20,
     seed: Annotated[int, typer.Option(help="seed of the samples")] = 0,
+    rivals: Annotated[str, typer.Option(help="rival toolkits run on the same samples: kvpress")] = "",
 ) -> None:
     """Sweep methods x budgets x tasks on one model; resumable (re-run the same command), then report."""
     try:
@@ -178,7 +179,12 @@ def bench(
             _split(modes),
             samples,
             seed,
+            _split(rivals),
         )
+        if sweep.rivals:
+            from kvstack.bench.rivals.kvpress_rival import kvpress_python
+
+            kvpress_python()  # its environment must exist before an hour of work starts
         configs = sweep.configs()  # parses every spec and budget before anything is loaded
         for stack, budget in configs:
             stack.check_budget(budget)

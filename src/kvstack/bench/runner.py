@@ -11,6 +11,7 @@ import resource
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
@@ -34,6 +35,10 @@ from kvstack.models.loading import LoadedModel
 from kvstack.models.prompts import build_prompt, eos_ids
 from kvstack.stack import Stack
 
+if TYPE_CHECKING:
+    from kvstack.bench.rivals.kvpress_rival import KvpressRival
+
+RIVALS = ("kvpress",)
 PROMPT_ROOM = 96  # tokens of a target length left for the question, chat template and answer prefix
 MODES = ("agnostic", "aware")
 
@@ -83,6 +88,7 @@ class Sweep:
     modes: tuple[str, ...] = ("agnostic",)
     samples: int = 20
     seed: int = 0
+    rivals: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for task in self.tasks:
@@ -93,9 +99,21 @@ class Sweep:
                 raise unknown_name("mode", mode, list(MODES))
         if self.samples < 1:
             raise UserError("--samples must be at least 1")
+        for rival in self.rivals:
+            if rival not in RIVALS:
+                raise unknown_name("rival", rival, list(RIVALS))
+        if self.rivals and any(Budget.parse(b).tokens is not None for b in self.budgets):
+            raise UserError("rival toolkits take fraction budgets (kvpress's compression ratio); drop the NNNt ones")
         for length in self.lengths:
             if length <= PROMPT_ROOM * 2:
                 raise UserError(f"length {length} is too short: use at least {PROMPT_ROOM * 2 + 1} tokens")
+
+    def rival_configs(self) -> list[tuple[str, str, str]]:
+        """(cell method, press, budget) for every rival press at every budget."""
+        from kvstack.bench.rivals.kvpress_rival import KvpressRival
+
+        presses = {"kvpress": KvpressRival.presses}
+        return [(f"{r}:{p}", p, str(Budget.parse(b))) for r in self.rivals for p in presses[r] for b in self.budgets]
 
     def configs(self) -> list[tuple[Stack, Budget]]:
         """(stack, budget) pairs, the full-cache reference first; specs are parsed (errors early)."""
@@ -169,12 +187,14 @@ def score(answer: str, refs: tuple[str, ...]) -> tuple[float, float | None]:
 
 def run_sweep(lm: LoadedModel, sweep: Sweep, store: Store, console: Console | None = None) -> int:
     """Answer every missing (cell, sample, question); returns how many rows were written."""
-    configs = sweep.configs()
+    configs, rivals = sweep.configs(), sweep.rival_configs()
     work = plan(lm, sweep)
-    eos = eos_ids(lm)
-    pad = lm.tokenizer.pad_token_id if lm.tokenizer.pad_token_id is not None else 0
+    fidelity = fidelity_work(lm, sweep.lengths, sweep.samples, sweep.seed) if "fidelity" in sweep.tasks else []
+    rival = _rival(lm) if rivals else None
+    failed: dict[str, str] = {}  # rival presses that raised: skipped for the rest of the run, retried next run
     warm_up(lm.model)
     written = 0
+    total = (len(work) + len(fidelity)) * len(configs) + len(work) * len(rivals)
     columns = (
         TextColumn("{task.description}"),
         BarColumn(),
@@ -182,85 +202,170 @@ def run_sweep(lm: LoadedModel, sweep: Sweep, store: Store, console: Console | No
         TimeElapsedColumn(),
         TimeRemainingColumn(),
     )
-    fidelity = fidelity_work(lm, sweep.lengths, sweep.samples, sweep.seed) if "fidelity" in sweep.tasks else []
     with Progress(*columns, console=console or Console(stderr=True), transient=False) as bar:
-        task_bar = bar.add_task("sweep", total=(len(work) + len(fidelity)) * len(configs))
+        task_bar = bar.add_task("sweep", total=total)
+
+        def advance(rows: int = 0, steps: int = 1) -> None:
+            nonlocal written
+            written += rows
+            bar.advance(task_bar, steps)
+
         for fw in fidelity:
-            cells = {
-                (s.label, str(b)): Cell(lm.name, s.label, str(b), "agnostic", "fidelity", fw.length) for s, b in configs
-            }
-            todo = [(s, b) for s, b in configs if (fw.index, 0) not in store.done(cells[(s.label, str(b))])]
-            bar.advance(task_bar, len(configs) - len(todo))
-            if not todo:
-                continue
             bar.update(task_bar, description=f"fidelity {fw.length} #{fw.index}")
-            for (stack, budget), m in zip(
-                todo, fidelity_forks(lm.model, list(fw.context), list(fw.continuation), todo), strict=True
-            ):
-                row = Row(
-                    cells[(stack.label, str(budget))],
-                    fw.index,
-                    0,
-                    m["top1"],
-                    "",
-                    (),
-                    None,
-                    m["kv_bytes"],
-                    m["kv_bytes_full"],
-                    m["kv_ratio"],
-                    None,
-                    m["compress_s"],
-                    None,
-                    _peak_rss_mb(),
-                    m["kl"],
-                    m["ppl"],
-                )
-                written += store.add(row)
-                bar.advance(task_bar)
+            _run_fidelity(lm, fw, configs, store, advance)
         for item in work:
-            cells = {
-                (stack.label, str(budget)): Cell(
-                    lm.name, stack.label, str(budget), item.mode, item.sample.task, item.length
-                )
-                for stack, budget in configs
-            }
-            todo = [
-                (s, b)
-                for s, b in configs
-                if (item.sample.index, item.question_index) not in store.done(cells[(s.label, str(b))])
-            ]
-            bar.advance(task_bar, len(configs) - len(todo))
-            if not todo:
-                continue
             bar.update(task_bar, description=f"{item.sample.task} {item.length} #{item.sample.index} {item.mode}")
-            prompt = build_prompt(lm, item.sample.context, item.question.question, item.question.answer_prefix)
-            new = item.question.max_new_tokens
-            if item.mode == "agnostic":
-                results = generate_forks(lm.model, [prompt], todo, new, eos, pad)
-            else:
-                results = (generate_ids(lm.model, [prompt], s, b, False, new, eos, pad) for s, b in todo)
-            for (stack, budget), (ids, m) in zip(todo, results, strict=True):
-                answer = lm.tokenizer.decode(ids[0], skip_special_tokens=True).strip()
-                s, p = score(answer, item.question.answers)
-                row = Row(
-                    cells[(stack.label, str(budget))],
-                    item.sample.index,
-                    item.question_index,
-                    s,
-                    answer,
-                    item.question.answers,
-                    p,
-                    m["kv_bytes"],
-                    m["kv_bytes_full"],
-                    m["kv_ratio"],
-                    m["prefill_s"],
-                    m["compress_s"],
-                    m["decode_tokens_per_s"],
-                    _peak_rss_mb(),
-                )
-                written += store.add(row)
-                bar.advance(task_bar)
+            _run_kvstack(lm, item, configs, store, advance)
+            if rival is not None:
+                _run_rivals(lm, rival, item, rivals, store, advance, failed)
+    if rival is not None:
+        rival.close()
+    for method, error in failed.items():
+        (console or Console(stderr=True)).print(f"[yellow]{method} failed, no rows stored:[/] {error}", highlight=False)
     return written
+
+
+Advance = Callable[..., None]
+
+
+def _cell(lm: LoadedModel, method: str, budget: str, mode: str, task: str, length: int) -> Cell:
+    return Cell(lm.name, method, budget, mode, task, length)
+
+
+def _run_kvstack(
+    lm: LoadedModel, item: Work, configs: list[tuple[Stack, Budget]], store: Store, advance: Advance
+) -> None:
+    """kvstack's configs for one question: forks of one prefill (agnostic) or one run each (aware)."""
+    cells = {
+        (s.label, str(b)): _cell(lm, s.label, str(b), item.mode, item.sample.task, item.length) for s, b in configs
+    }
+    key = (item.sample.index, item.question_index)
+    todo = [(s, b) for s, b in configs if key not in store.done(cells[(s.label, str(b))])]
+    advance(steps=len(configs) - len(todo))
+    if not todo:
+        return
+    prompt = build_prompt(lm, item.sample.context, item.question.question, item.question.answer_prefix)
+    eos, new = eos_ids(lm), item.question.max_new_tokens
+    pad = lm.tokenizer.pad_token_id if lm.tokenizer.pad_token_id is not None else 0
+    if item.mode == "agnostic":
+        results = generate_forks(lm.model, [prompt], todo, new, eos, pad)
+    else:
+        results = (generate_ids(lm.model, [prompt], s, b, False, new, eos, pad) for s, b in todo)
+    for (stack, budget), (ids, m) in zip(todo, results, strict=True):
+        answer = lm.tokenizer.decode(ids[0], skip_special_tokens=True).strip()
+        s, p = score(answer, item.question.answers)
+        row = Row(
+            cells[(stack.label, str(budget))],
+            *key,
+            s,
+            answer,
+            item.question.answers,
+            p,
+            m["kv_bytes"],
+            m["kv_bytes_full"],
+            m["kv_ratio"],
+            m["prefill_s"],
+            m["compress_s"],
+            m["decode_tokens_per_s"],
+            _peak_rss_mb(),
+        )
+        advance(store.add(row))
+
+
+def _run_fidelity(
+    lm: LoadedModel, fw: FidelityWork, configs: list[tuple[Stack, Budget]], store: Store, advance: Advance
+) -> None:
+    """Fidelity of every missing config for one window of real text."""
+    cells = {(s.label, str(b)): _cell(lm, s.label, str(b), "agnostic", "fidelity", fw.length) for s, b in configs}
+    todo = [(s, b) for s, b in configs if (fw.index, 0) not in store.done(cells[(s.label, str(b))])]
+    advance(steps=len(configs) - len(todo))
+    if not todo:
+        return
+    for (stack, budget), m in zip(
+        todo, fidelity_forks(lm.model, list(fw.context), list(fw.continuation), todo), strict=True
+    ):
+        row = Row(
+            cells[(stack.label, str(budget))],
+            fw.index,
+            0,
+            m["top1"],
+            "",
+            (),
+            None,
+            m["kv_bytes"],
+            m["kv_bytes_full"],
+            m["kv_ratio"],
+            None,
+            m["compress_s"],
+            None,
+            _peak_rss_mb(),
+            m["kl"],
+            m["ppl"],
+        )
+        advance(store.add(row))
+
+
+def _rival(lm: LoadedModel) -> KvpressRival:
+    from kvstack.bench.rivals.kvpress_rival import KvpressRival
+
+    if lm.folder is None:
+        raise UserError("rival toolkits load a transformers folder: use a registered model or a local folder")
+    return KvpressRival()
+
+
+def _run_rivals(
+    lm: LoadedModel,
+    rival: KvpressRival,
+    item: Work,
+    rivals: list[tuple[str, str, str]],
+    store: Store,
+    advance: Advance,
+    failed: dict[str, str],
+) -> None:
+    """The rival's presses on the same question, budget mapped to its compression ratio.
+
+    A press that raises is skipped for the rest of the run (and retried by the next run).
+    """
+    key = (item.sample.index, item.question_index)
+    for method, press, budget in rivals:
+        cell = _cell(lm, method, budget, item.mode, item.sample.task, item.length)
+        if key in store.done(cell) or method in failed:
+            advance()
+            continue
+        request = {
+            "model": str(lm.folder),
+            "press": press,
+            "ratio": 1.0 - float(budget),
+            "context": item.sample.context,
+            "question": item.question.question,
+            "answer_prefix": item.question.answer_prefix,
+            "max_new_tokens": item.question.max_new_tokens,
+            "aware": item.mode == "aware",
+        }
+        try:
+            r = rival.ask(request)
+        except RuntimeError as err:  # the rival itself broke (kvpress's pyramidkv does on transformers 5.2)
+            failed[method] = str(err)
+            advance()
+            continue
+        s, p = score(r["answer"], item.question.answers)
+        ratio = r["kv_bytes"] / r["kv_bytes_full"]
+        row = Row(
+            cell,
+            *key,
+            s,
+            r["answer"],
+            item.question.answers,
+            p,
+            r["kv_bytes"],
+            r["kv_bytes_full"],
+            ratio,
+            r["prefill_s"],
+            r["compress_s"],
+            r["decode_tokens_per_s"],
+            _peak_rss_mb(),
+        )
+        advance(store.add(row))
 
 
 def _peak_rss_mb() -> float:

@@ -38,6 +38,7 @@ class LoadedModel:
     tokenizer: Any
     chat: bool
     add_bos: bool
+    folder: Path | None = None  # a transformers folder with the same weights (rival toolkits load it)
 
     @property
     def max_context(self) -> int:
@@ -151,7 +152,7 @@ def _load_packaged(spec: ModelSpec, dtype: torch.dtype, attn: str) -> LoadedMode
         (folder / DONE).write_text(spec.name)
         if gguf.parent == cache_dir() / "gguf":
             gguf.unlink()  # the parts stay installed; the converted folder is what we reuse
-        return _ready(spec.name, model.to(dtype), tok, attn, spec.chat, spec.add_bos)
+        return _ready(spec.name, model.to(dtype), tok, attn, spec.chat, spec.add_bos, folder)
     return _from_folder(spec.name, folder, dtype, attn, spec.chat, spec.add_bos)
 
 
@@ -177,10 +178,13 @@ def _from_folder(
 
     tok = AutoTokenizer.from_pretrained(source)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
-    return _ready(name, model, tok, attn, chat if chat is not None else tok.chat_template is not None, add_bos)
+    chat = chat if chat is not None else tok.chat_template is not None
+    return _ready(name, model, tok, attn, chat, add_bos, source if isinstance(source, Path) else None)
 
 
-def _ready(name: str, model: Any, tok: Any, attn: str, chat: bool, add_bos: bool) -> LoadedModel:
+def _ready(
+    name: str, model: Any, tok: Any, attn: str, chat: bool, add_bos: bool, folder: Path | None = None
+) -> LoadedModel:
     model.set_attn_implementation(attn)
     model.eval()
-    return LoadedModel(name=name, model=model, tokenizer=tok, chat=chat, add_bos=add_bos)
+    return LoadedModel(name=name, model=model, tokenizer=tok, chat=chat, add_bos=add_bos, folder=folder)

@@ -1,0 +1,66 @@
+"""NVIDIA's kvpress as a rival: its own presses, in its own environment, on kvstack's samples.
+
+(Not named kvpress.py: the worker script beside it must import the real kvpress.)
+
+kvpress pins transformers and patches attention at import, so it runs in a separate virtual
+environment (`make rivals` builds `.venv-kvpress`; `KVSTACK_KVPRESS_PYTHON` points elsewhere)
+and talks to kvstack over JSON lines (`kvpress_worker.py`). Budgets map to kvpress's
+`compression_ratio = 1 - budget` (share of tokens removed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from kvstack.bench.rivals.kvpress_worker import PRESSES
+from kvstack.errors import UserError
+
+WORKER = Path(__file__).with_name("kvpress_worker.py")
+
+
+def kvpress_python() -> Path:
+    """The interpreter of kvpress's environment, or a one-line error naming the fix."""
+    path = Path(os.environ.get("KVSTACK_KVPRESS_PYTHON", ".venv-kvpress/bin/python"))
+    if not path.exists():
+        raise UserError(
+            f"kvpress runs in its own environment and {path} is missing: run `make rivals` "
+            "(or set KVSTACK_KVPRESS_PYTHON to a python with kvpress==0.5.5)"
+        )
+    return path
+
+
+class KvpressRival:
+    """A kvpress worker process, started on first use, answering one request at a time."""
+
+    presses = tuple(PRESSES)
+
+    def __init__(self, python: Path | None = None) -> None:
+        self.python = python or kvpress_python()
+        self.proc: subprocess.Popen[str] | None = None
+
+    def ask(self, request: dict[str, Any]) -> dict[str, Any]:
+        """Send one request (see the worker's docstring), return its result."""
+        if self.proc is None:
+            self.proc = subprocess.Popen(
+                [str(self.python), str(WORKER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1
+            )
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the kvpress worker ({self.python}) exited; run it by hand to see why")
+        result = json.loads(line)
+        if "error" in result:
+            raise RuntimeError(f"kvpress {request['press']}: {result['error']}")
+        return result
+
+    def close(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
