@@ -173,9 +173,9 @@ class KVCache(Cache):
                 f"this cache did not record what {stack} needs ({', '.join(sorted(missing)) or 'queries'}): "
                 f"build it with KVCache(..., observe={set(stack.needs)}, query_window={stack.query_window})"
             )
-        new = KVCache(self._source, stack, budget, self.extra_needs | self.stack.needs, self.query_window)
+        new = KVCache(self._source, stack, budget)
         new.seq = self.seq.copy()
-        new.layers[:] = [layer.copy(new.seq) for layer in self.layers]
+        new.layers[:] = [layer.copy(new.seq, stack.needs, stack.query_window) for layer in self.layers]
         for layer in new.layers:
             if layer.is_initialized:
                 new.maintain(layer, decoding=False)

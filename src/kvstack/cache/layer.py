@@ -234,13 +234,19 @@ class CompressedLayer:
         index_order = torch.argsort((~inside).to(torch.int8), dim=-1, stable=True)
         self.apply(Keep(index=index_order, count=inside.sum(-1)))
 
-    def copy(self, seq: SequenceState) -> CompressedLayer:
-        """A copy that evolves on its own; tensors are shared until either side replaces them."""
+    def copy(self, seq: SequenceState, needs: frozenset[str], query_window: int) -> CompressedLayer:
+        """A copy that evolves on its own, keeping only the statistics and queries `needs` and
+        `query_window` ask for; tensors are shared until either side replaces them."""
         new = copy.copy(self)
         new.seq = seq
         new.keys, new.values = list(self.keys), list(self.values)
         new.slots = list(self.slots) if self.slots is not None else None
-        new.stats = {name: list(per_head) for name, per_head in self.stats.items()}
+        new.stats = {name: list(per_head) for name, per_head in self.stats.items() if name in needs}
+        if query_window <= 0 or self.queries is None:
+            new.queries, new.query_slots = None, None
+        else:
+            assert self.query_slots is not None
+            new.queries, new.query_slots = self.queries[:, :, -query_window:], self.query_slots[-query_window:]
         return new
 
     def select_batch(self, index: torch.Tensor) -> None:
