@@ -1,0 +1,1 @@
+"""Compression methods, one file each, grouped by family (evict/ now; quant/, merge/, lowrank/ next)."""
