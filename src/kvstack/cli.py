@@ -219,14 +219,9 @@ def _report(out_dir: Path) -> Path:
     """Print the mean-score table of every group, write the HTML report, return its path."""
     import statistics
 
-    from kvstack.bench.report import aggregate, budgets_of, write_report
-    from kvstack.bench.store import Store
+    from kvstack.bench.report import budgets_of, load_groups, write_report
 
-    if not (out_dir / "results.sqlite").exists():
-        raise UserError(f"no results in {out_dir}: run `kvstack bench --out {out_dir}` first")
-    store = Store(out_dir / "results.sqlite")
-    groups = aggregate(store.rows())
-    store.close()
+    groups = load_groups(out_dir)
     for (model, mode, length), points in sorted(groups.items()):
         budgets = budgets_of(points)
         table = Table(title=f"{model}, {length} tokens, query-{mode}: mean score over tasks")
@@ -243,7 +238,7 @@ def _report(out_dir: Path) -> Path:
                 cells.append(f"{statistics.fmean(scores):.2f}" if scores else "-")
             table.add_row(method, *cells)
         out.print(table)
-    return write_report(out_dir)
+    return write_report(out_dir, groups)
 
 
 def _read_context(path: Path) -> str:

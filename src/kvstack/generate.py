@@ -179,12 +179,10 @@ def generate_forks(
     results equal `generate_ids(..., query_agnostic=True)` per pair (tested), at a fraction of
     the cost: this is what a benchmark sweep runs.
     """
-    stacks = [(s if isinstance(s, Stack) else Stack.parse(s), Budget.parse(b)) for s, b in configs]
+    stacks = _parse_configs(configs)
     for stack, budget in stacks:
         check_prompts(model, prompts, max_new_tokens, stack, budget)
-    needs = frozenset().union(*(s.needs for s, _ in stacks))
-    window = max((s.query_window for s, _ in stacks), default=0)
-    source = _Runner(model, KVCache(model, "full", 1.0, observe=needs, query_window=window))
+    source = _observing_runner(model, stacks)
     start = time.perf_counter()
     source.forward(*_left_pad([p.context for p in prompts], pad_id))
     prefill_s = time.perf_counter() - start - source.cache.timings["compress_s"]
@@ -202,10 +200,8 @@ def fidelity_forks(
     Yields, per config: perplexity of the continuation, mean KL(full || compressed) of the
     next-token distributions, top-1 agreement with the full cache, and the measured bytes.
     """
-    stacks = [(s if isinstance(s, Stack) else Stack.parse(s), Budget.parse(b)) for s, b in configs]
-    needs = frozenset().union(*(s.needs for s, _ in stacks))
-    window = max((s.query_window for s, _ in stacks), default=0)
-    source = _Runner(model, KVCache(model, "full", 1.0, observe=needs, query_window=window))
+    stacks = _parse_configs(configs)
+    source = _observing_runner(model, stacks)
     source.forward(torch.tensor([context]), torch.ones(1, len(context), dtype=torch.long))
     follow = torch.tensor([continuation])
     ones = torch.ones_like(follow)
@@ -225,6 +221,17 @@ def fidelity_forks(
             "kv_ratio": kv_bytes / kv_full if kv_full else 1.0,
             "compress_s": runner.cache.timings["compress_s"],
         }
+
+
+def _parse_configs(configs: list[tuple[Stack | str, Budget | str | float]]) -> list[tuple[Stack, Budget]]:
+    return [(s if isinstance(s, Stack) else Stack.parse(s), Budget.parse(b)) for s, b in configs]
+
+
+def _observing_runner(model: Any, stacks: list[tuple[Stack, Budget]]) -> _Runner:
+    """A runner over a full cache that records what every stack needs, so each can be forked from it."""
+    needs = frozenset().union(*(s.needs for s, _ in stacks))
+    window = max((s.query_window for s, _ in stacks), default=0)
+    return _Runner(model, KVCache(model, "full", 1.0, observe=needs, query_window=window))
 
 
 def _ask(runner: _Runner, prompts: list[Prompt], pad_id: int) -> torch.Tensor | None:

@@ -163,8 +163,8 @@ def speed_table(points: list[Point]) -> str:
     )
 
 
-def write_report(out_dir: Path) -> Path:
-    """Read `out_dir/results.sqlite`, write `report.html` and one PNG per group; return the HTML path."""
+def load_groups(out_dir: Path) -> dict[Group, list[Point]]:
+    """The aggregated results of a benchmark folder, or a one-line error saying how to get them."""
     path = out_dir / "results.sqlite"
     if not path.exists():
         from kvstack.errors import UserError
@@ -173,6 +173,12 @@ def write_report(out_dir: Path) -> Path:
     store = Store(path)
     groups = aggregate(store.rows())
     store.close()
+    return groups
+
+
+def write_report(out_dir: Path, groups: dict[Group, list[Point]] | None = None) -> Path:
+    """Write `report.html` and one PNG per group of `out_dir`'s results; return the HTML path."""
+    groups = load_groups(out_dir) if groups is None else groups
     sections = []
     for i, (group, points) in enumerate(sorted(groups.items())):
         png = out_dir / f"score_vs_kv_{i}.png"
