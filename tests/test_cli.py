@@ -154,6 +154,28 @@ def test_bench_runs_resumes_and_reports(tiny_folder, tmp_path):
     assert code == 0 and "report.html" in out
 
 
+def test_bench_on_a_task_file(tiny_folder, tmp_path):
+    rows = [
+        {"context": "The vault code is 4821. " * 20, "question": "What is the vault code?", "answer": "4821"},
+        {"context": "The vault code is 4821. " * 20, "question": "Repeat the code.", "answer": ["48", "21"]},
+        {"context": "Mia was born in Oslo. " * 25, "question": "Where was Mia born?", "answer": "Oslo"},
+    ]
+    task = tmp_path / "vault.jsonl"
+    task.write_text("\n".join(json.dumps(r) for r in rows))
+    out_dir = tmp_path / "out"
+    args = ("bench", "--model", str(tiny_folder), "--methods", "knorm", "--budgets", "0.5", "--task-file", str(task))
+    code, out, err = run(*args, "--out", str(out_dir))
+    assert code == 0, err
+    assert "6 new answers" in out  # (full + knorm at 0.5) x 3 questions; no built-in task runs
+    assert "contexts of their own length" in (out_dir / "report.html").read_text()
+    import sqlite3
+
+    tasks = {t for (t,) in sqlite3.connect(out_dir / "results.sqlite").execute("SELECT task FROM results")}
+    assert tasks == {"file:vault"}
+    code, _, err = run(*args, "--out", str(out_dir), "--samples", "1", "--task-file", str(tmp_path / "none.jsonl"))
+    assert code == 2 and "does not exist" in err
+
+
 @pytest.mark.parametrize(
     "args, message",
     [

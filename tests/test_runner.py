@@ -79,6 +79,15 @@ def test_rivals_take_fraction_budgets_and_known_names(monkeypatch):
         Sweep("tiny", ("knorm",), ("512t",), ("vt",), (400,), rivals=("kvpress",))
     with pytest.raises(UserError, match="unknown rival"):
         Sweep("tiny", ("knorm",), ("0.5",), ("vt",), (400,), rivals=("kvpres",))
+    with pytest.raises(UserError, match="snapkv"):
+        Sweep("tiny", ("knorm",), ("0.5",), ("vt",), (400,), rivals=("kvpress:snapk",))
+    # `kvpress` alone: the presses implementing the sweep's methods, each at every budget
+    methods = ("snapkv", "h2o(recent=0.25)", "random")
+    sweep = Sweep("tiny", methods, ("0.5", "0.25"), ("vt",), (400,), rivals=("kvpress",))
+    assert [c[0] for c in sweep.rival_configs()] == ["kvpress:snapkv"] * 2 + ["kvpress:observed_attention"] * 2
+    assert sweep.rival_configs()[1] == ("kvpress:snapkv", "snapkv", "0.25")
+    both = Sweep("tiny", ("snapkv",), ("0.5",), ("vt",), (400,), rivals=("kvpress", "kvpress:tova", "kvpress:snapkv"))
+    assert [c[1] for c in both.rival_configs()] == ["snapkv", "tova"]
     monkeypatch.setenv("KVSTACK_KVPRESS_PYTHON", "/nowhere/python")
     from kvstack.bench.rivals.kvpress_rival import kvpress_python
 
@@ -91,7 +100,7 @@ def test_kvpress_runs_on_the_same_samples_with_measured_bytes(tmp_path):
     import kvstack
 
     lm = kvstack.load("smollm2-135m")
-    sweep = Sweep("smollm2-135m", ("knorm",), ("0.5",), ("niah_single",), (1024,), samples=1, rivals=("kvpress",))
+    sweep = Sweep("smollm2-135m", ("knorm",), ("0.5",), ("niah_single",), (1024,), samples=1, rivals=("kvpress:all",))
     store = Store(tmp_path / "results.sqlite")
     # kvpress's own pyramidkv breaks on transformers 5.2 (layers of different lengths meet one mask):
     # the run goes on without it and says so; the other eight presses answer

@@ -104,3 +104,43 @@ def test_string_match_and_digit_partial():
     assert digit_partial("no number", "7391524") == 0.0
     with pytest.raises(ValueError):
         string_match_all("x", [])
+
+
+def test_a_task_file_groups_questions_by_context(tmp_path):
+    from kvstack.bench.tasks.custom import load_task_file
+
+    path = tmp_path / "mine.jsonl"
+    rows = [
+        {"context": "Ada keeps a red kite.", "question": "What does Ada keep?", "answer": "kite"},
+        {"context": "Bo owns 3 cats.", "question": "How many cats?", "answer": ["3"], "max_new_tokens": 4},
+        {"context": "Ada keeps a red kite.", "question": "Colour?", "answer": "red", "answer_prefix": "It is"},
+    ]
+    path.write_text("\n".join(__import__("json").dumps(r) for r in rows) + "\n\n")
+    first, second = load_task_file(path)
+    assert first.task == "file:mine" and first.context == "Ada keeps a red kite." and first.index == 0
+    assert [(q.question, q.answers, q.answer_prefix) for q in first.questions] == [
+        ("What does Ada keep?", ("kite",), ""),
+        ("Colour?", ("red",), "It is"),
+    ]
+    assert second.questions[0].answers == ("3",) and second.questions[0].max_new_tokens == 4
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ('{"context": "c", "question": "q"}', "mine.jsonl:1 lacks answer"),
+        ("not json", "mine.jsonl:1 is not JSON"),
+        ('{"context": "c", "question": "q", "answer": "a", "max_new_tokens": 0}', "max_new_tokens"),
+        ("", "has no rows"),
+    ],
+)
+def test_bad_task_files_name_the_line_and_the_fix(tmp_path, text, message):
+    from kvstack.bench.tasks.custom import load_task_file
+    from kvstack.errors import UserError
+
+    path = tmp_path / "mine.jsonl"
+    path.write_text(text)
+    with pytest.raises(UserError, match=message):
+        load_task_file(path)
+    with pytest.raises(UserError, match="does not exist"):
+        load_task_file(tmp_path / "nope.jsonl")

@@ -158,7 +158,13 @@ def bench(
     model: Annotated[str, typer.Option("--model", "-m", help="registered name, local folder or .gguf")] = DEFAULT,
     methods: Annotated[str, typer.Option(help="comma-separated method specs")] = "snapkv,knorm,streaming",
     budgets: Annotated[str, typer.Option(help="comma-separated budgets")] = "0.5,0.25,0.125",
-    tasks: Annotated[str, typer.Option(help="comma-separated tasks")] = "niah_single,niah_multikey,vt",
+    tasks: Annotated[
+        str | None,
+        typer.Option(help="comma-separated tasks [default: niah_single,niah_multikey,vt; none with --task-file]"),
+    ] = None,
+    task_file: Annotated[
+        Path | None, typer.Option(help="your own JSONL: {context, question, answer, answer_prefix?, max_new_tokens?}")
+    ] = None,
     lengths: Annotated[str, typer.Option(help="comma-separated context lengths: 2k, 4k, 3000")] = "2k",
     modes: Annotated[str, typer.Option(help="agnostic (context compressed before the question), aware")] = "agnostic",
     samples: Annotated[int, typer.Option(help="samples per task and length (same seeds for every method)")] = 20,
@@ -174,13 +180,18 @@ def bench(
             model,
             _split(methods),
             _split(budgets),
-            _split(tasks),
+            _split(tasks if tasks is not None else "" if task_file else "niah_single,niah_multikey,vt"),
             tuple(_length(x) for x in _split(lengths)),
             _split(modes),
             samples,
             seed,
             _split(rivals),
+            str(task_file) if task_file else None,
         )
+        if task_file is not None:
+            from kvstack.bench.tasks.custom import load_task_file
+
+            load_task_file(task_file)  # a bad file fails before the model loads
         if sweep.rivals:
             from kvstack.bench.rivals.kvpress_rival import kvpress_python
 
@@ -219,12 +230,12 @@ def _report(out_dir: Path) -> Path:
     """Print the mean-score table of every group, write the HTML report, return its path."""
     import statistics
 
-    from kvstack.bench.report import budgets_of, load_groups, write_report
+    from kvstack.bench.report import budgets_of, load_groups, tokens_label, write_report
 
     groups = load_groups(out_dir)
     for (model, mode, length), points in sorted(groups.items()):
         budgets = budgets_of(points)
-        table = Table(title=f"{model}, {length} tokens, query-{mode}: mean score over tasks")
+        table = Table(title=f"{model}, {tokens_label(length)}, query-{mode}: mean score over tasks")
         table.add_column("method", no_wrap=True)
         for b in budgets:
             table.add_column(b, justify="right")

@@ -103,7 +103,7 @@ def plot_group(group: Group, points: list[Point], path: Path) -> None:
     axes[0][0].set_ylabel("score")
     axes[0][-1].legend(fontsize=8, loc="lower right")
     model, mode, length = group
-    fig.suptitle(f"{model} - {length} tokens - query-{mode}")
+    fig.suptitle(f"{model} - {tokens_label(length)} - query-{mode}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -186,7 +186,7 @@ def write_report(out_dir: Path, groups: dict[Group, list[Point]] | None = None) 
         model, mode, length = group
         n = min(p.n for p in points)
         sections.append(
-            f"<h2>{html.escape(model)} - {length} tokens - query-{mode} ({n}+ samples per cell)</h2>"
+            f"<h2>{html.escape(model)} - {tokens_label(length)} - query-{mode} ({n}+ samples per cell)</h2>"
             f'<img src="{png.name}" alt="score vs KV ratio">'
             f"{score_table(points)}<h3>speed</h3>{speed_table(points)}"
         )
@@ -204,6 +204,11 @@ def write_report(out_dir: Path, groups: dict[Group, list[Point]] | None = None) 
     report = out_dir / "report.html"
     report.write_text(page)
     return report
+
+
+def tokens_label(length: int) -> str:
+    """`2048 tokens`, or `contexts of their own length` for task-file cells (length 0)."""
+    return f"{length} tokens" if length else "contexts of their own length"
 
 
 def _median(values: Iterable[float | None]) -> float:

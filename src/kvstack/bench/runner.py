@@ -11,6 +11,7 @@ import resource
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rich.console import Console
@@ -18,6 +19,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from kvstack.bench.score import digit_partial, string_match_all
 from kvstack.bench.store import Cell, Row, Store
+from kvstack.bench.tasks.custom import OWN_LENGTH, load_task_file
 from kvstack.bench.tasks.needle import python_docs_words
 from kvstack.bench.tasks.ruler import (
     CountTokens,
@@ -89,8 +91,11 @@ class Sweep:
     samples: int = 20
     seed: int = 0
     rivals: tuple[str, ...] = ()
+    task_file: str | None = None  # a JSONL file of the user's own questions (see tasks/custom.py)
 
     def __post_init__(self) -> None:
+        if not self.tasks and self.task_file is None:
+            raise UserError("no tasks: give --tasks (e.g. niah_single,vt) or --task-file F.jsonl")
         for task in self.tasks:
             if task not in ALL_TASKS:
                 raise unknown_name("task", task, list(ALL_TASKS))
@@ -100,20 +105,25 @@ class Sweep:
         if self.samples < 1:
             raise UserError("--samples must be at least 1")
         for rival in self.rivals:
-            if rival not in RIVALS:
+            if rival.partition(":")[0] not in RIVALS:
                 raise unknown_name("rival", rival, list(RIVALS))
         if self.rivals and any(Budget.parse(b).tokens is not None for b in self.budgets):
             raise UserError("rival toolkits take fraction budgets (kvpress's compression ratio); drop the NNNt ones")
+        self.rival_configs()  # unknown presses fail here, before anything is loaded
         for length in self.lengths:
             if length <= PROMPT_ROOM * 2:
                 raise UserError(f"length {length} is too short: use at least {PROMPT_ROOM * 2 + 1} tokens")
 
     def rival_configs(self) -> list[tuple[str, str, str]]:
-        """(cell method, press, budget) for every rival press at every budget."""
-        from kvstack.bench.rivals.kvpress_rival import KvpressRival
+        """(cell method, press, budget) for every rival press at every budget.
 
-        presses = {"kvpress": KvpressRival.presses}
-        return [(f"{r}:{p}", p, str(Budget.parse(b))) for r in self.rivals for p in presses[r] for b in self.budgets]
+        `kvpress` runs the presses that implement the sweep's methods; `kvpress:all` every press;
+        `kvpress:tova` one press.
+        """
+        from kvstack.bench.rivals.kvpress_rival import presses_for
+
+        presses = dict.fromkeys(p for r in self.rivals for p in presses_for(r, self.methods))
+        return [(f"kvpress:{p}", p, str(Budget.parse(b))) for p in presses for b in self.budgets]
 
     def configs(self) -> list[tuple[Stack, Budget]]:
         """(stack, budget) pairs, the full-cache reference first; specs are parsed (errors early)."""
@@ -170,6 +180,15 @@ def plan(lm: LoadedModel, sweep: Sweep) -> list[Work]:
         return len(lm.tokenizer.encode(text, add_special_tokens=False))
 
     work = []
+    if sweep.task_file is not None:
+        for sample in load_task_file(Path(sweep.task_file))[: sweep.samples]:
+            if lm.max_context and count(sample.context) + PROMPT_ROOM > lm.max_context:
+                raise UserError(
+                    f"{sweep.task_file}: context {sample.index + 1} is longer than {lm.name}'s "
+                    f"{lm.max_context} tokens: shorten it or use a model with a longer context"
+                )
+            for qi, q in enumerate(sample.questions):
+                work += [Work(sample, qi, q, OWN_LENGTH, mode) for mode in sweep.modes]
     for task in (t for t in sweep.tasks if t != "fidelity"):
         for length in sweep.lengths:
             for index in range(sweep.samples):

@@ -20,6 +20,32 @@ from kvstack.bench.rivals.kvpress_worker import PRESSES
 from kvstack.errors import UserError
 
 WORKER = Path(__file__).with_name("kvpress_worker.py")
+# kvstack method -> the kvpress press that implements the same paper
+COUNTERPART = {
+    "snapkv": "snapkv",
+    "knorm": "knorm",
+    "streaming": "streaming_llm",
+    "tova": "tova",
+    "h2o": "observed_attention",
+    "keydiff": "keydiff",
+    "lagkv": "lagkv",
+    "pyramid": "pyramidkv",
+}
+
+
+def presses_for(rival: str, methods: tuple[str, ...]) -> list[str]:
+    """`kvpress` -> the presses matching the sweep's methods; `kvpress:all` -> every press; `kvpress:P` -> P."""
+    _, _, press = rival.partition(":")
+    if press == "all":
+        return list(PRESSES)
+    if press:
+        if press not in PRESSES:
+            from kvstack.errors import unknown_name
+
+            raise unknown_name("kvpress press", press, list(PRESSES))
+        return [press]
+    names = [m.split("(")[0].split("+")[0].strip() for m in methods]
+    return [COUNTERPART[n] for n in dict.fromkeys(names) if n in COUNTERPART]
 
 
 def kvpress_python() -> Path:
