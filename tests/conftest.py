@@ -5,7 +5,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from tiny import tiny_gemma3, tiny_llama  # noqa: E402
+from tiny import char_tokenizer, tiny_gemma3, tiny_llama  # noqa: E402
 
 torch.set_num_threads(max(1, torch.get_num_threads()))
 
@@ -21,3 +21,12 @@ def tiny(request):
 @pytest.fixture(scope="session")
 def llama():
     return tiny_llama()
+
+
+@pytest.fixture(scope="session")
+def tiny_folder(tmp_path_factory):
+    """A tiny random Llama with a character tokenizer, saved as a local transformers folder."""
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    tiny_llama().save_pretrained(folder)
+    char_tokenizer().save_pretrained(folder)
+    return folder

@@ -114,17 +114,6 @@ def test_a_context_longer_than_the_model_allows_is_refused(tmp_path):
     assert code == 2 and "exceeds the model's maximum of 8192 tokens" in err
 
 
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory):
-    """A tiny random Llama with a character tokenizer, saved as a local transformers folder."""
-    from tiny import char_tokenizer, tiny_llama
-
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    tiny_llama().save_pretrained(folder)
-    char_tokenizer().save_pretrained(folder)
-    return folder
-
-
 def test_bench_runs_resumes_and_reports(tiny_folder, tmp_path):
     args = (
         "bench",
@@ -152,6 +141,44 @@ def test_bench_runs_resumes_and_reports(tiny_folder, tmp_path):
     assert code == 0 and "0 new answers" in out
     code, out, _ = run("report", str(tmp_path))
     assert code == 0 and "report.html" in out
+
+
+def test_a_killed_sweep_completes_on_rerun_without_recomputing(tiny_folder, tmp_path):
+    import os
+    import signal
+    import sqlite3
+    import subprocess
+    import sys
+    import time
+
+    db = tmp_path / "results.sqlite"
+    args = [sys.executable, "-m", "kvstack.cli", "bench", "--model", str(tiny_folder), "--out", str(tmp_path)]
+    args += ["--methods", "knorm,streaming", "--budgets", "0.5", "--tasks", "niah_single,vt", "--lengths", "400"]
+    args += ["--modes", "aware", "--samples", "25"]
+    expected = 3 * 2 * 25  # (full + 2 methods) x 2 tasks x 25 samples
+
+    def rows() -> dict[tuple, float]:
+        if not db.exists():
+            return {}
+        with sqlite3.connect(db, timeout=30) as con:
+            return {
+                tuple(r[:-1]): r[-1] for r in con.execute("SELECT method, task, sample, question, created FROM results")
+            }
+
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while len(rows()) < 10 and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    before = rows()
+    assert 10 <= len(before) < expected  # killed mid-sweep
+    done = subprocess.run(args, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert f"{expected - len(before)} new answers" in done.stdout.replace("\n", " ")
+    after = rows()
+    assert len(after) == expected
+    assert all(after[k] == created for k, created in before.items())  # finished rows were not recomputed
 
 
 def test_bench_on_a_task_file(tiny_folder, tmp_path):

@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvstack.bench.runner import Sweep, plan, run_sweep, score
+from kvstack.bench.runner import Sweep, plan, run_sweep, score, threads_per_job
 from kvstack.bench.store import Store
 from kvstack.errors import UserError
 from tiny import tiny_loaded
@@ -51,6 +51,30 @@ def test_a_sweep_writes_one_row_per_cell_sample_and_question_and_resumes(lm, tmp
     from kvstack.bench.report import write_report
 
     assert "fidelity" in write_report(tmp_path).read_text()
+
+
+def test_jobs_split_the_sweep_between_processes_and_give_the_same_rows(tiny_folder, tmp_path, monkeypatch):
+    import torch
+
+    import kvstack
+
+    lm = kvstack.load(str(tiny_folder))
+    sweep = Sweep(str(tiny_folder), ("knorm",), ("0.5",), ("niah_single", "vt", "fidelity"), (400,), samples=2)
+    one, two = Store(tmp_path / "one.sqlite"), Store(tmp_path / "two.sqlite")
+    assert run_sweep(lm, sweep, one) == 2 * 3 * 2
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # two jobs need two cores
+    assert threads_per_job(2) == 1
+    assert run_sweep(lm, sweep, two, jobs=2) == 2 * 3 * 2
+    assert run_sweep(lm, sweep, two, jobs=2) == 0  # resumes like one job
+
+    def key(r):
+        return r["method"], r["task"], r["sample"], r["question"]
+
+    a = {key(r): (r["answer"], r["score"], r["kv_bytes"]) for r in one.rows()}
+    b = {key(r): (r["answer"], r["score"], r["kv_bytes"]) for r in two.rows()}
+    assert a == b
+    with pytest.raises(UserError, match="--jobs 3 is more than the 2 cores"):
+        threads_per_job(3)
 
 
 def test_plan_is_deterministic(lm):

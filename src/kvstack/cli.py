@@ -169,11 +169,15 @@ def bench(
     modes: Annotated[str, typer.Option(help="agnostic (context compressed before the question), aware")] = "agnostic",
     samples: Annotated[int, typer.Option(help="samples per task and length (same seeds for every method)")] = 20,
     seed: Annotated[int, typer.Option(help="seed of the samples")] = 0,
-    rivals: Annotated[str, typer.Option(help="rival toolkits run on the same samples: kvpress")] = "",
+    rivals: Annotated[
+        str,
+        typer.Option(help="rival toolkits on the same samples: kvpress (its presses matching --methods), kvpress:all"),
+    ] = "",
+    jobs: Annotated[int, typer.Option(help="processes in parallel, splitting the cores between them")] = 1,
 ) -> None:
     """Sweep methods x budgets x tasks on one model; resumable (re-run the same command), then report."""
     try:
-        from kvstack.bench.runner import Sweep, run_sweep
+        from kvstack.bench.runner import Sweep, run_sweep, threads_per_job
         from kvstack.bench.store import Store
 
         sweep = Sweep(
@@ -196,6 +200,7 @@ def bench(
             from kvstack.bench.rivals.kvpress_rival import kvpress_python
 
             kvpress_python()  # its environment must exist before an hour of work starts
+        threads_per_job(jobs)
         configs = sweep.configs()  # parses every spec and budget before anything is loaded
         for stack, budget in configs:
             stack.check_budget(budget)
@@ -206,7 +211,7 @@ def bench(
         if lm.max_context and max(sweep.lengths) > lm.max_context:
             raise UserError(f"length {max(sweep.lengths)} exceeds {model}'s maximum of {lm.max_context} tokens")
         store = Store(out_dir / "results.sqlite")
-        written = run_sweep(lm, sweep, store, err)
+        written = run_sweep(lm, sweep, store, err, jobs)
         store.close()
         report_path = _report(out_dir)
     except UserError as e:

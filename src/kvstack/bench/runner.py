@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
@@ -204,16 +204,11 @@ def score(answer: str, refs: tuple[str, ...]) -> tuple[float, float | None]:
     return string_match_all(answer, refs), partial_score
 
 
-def run_sweep(lm: LoadedModel, sweep: Sweep, store: Store, console: Console | None = None) -> int:
-    """Answer every missing (cell, sample, question); returns how many rows were written."""
-    configs, rivals = sweep.configs(), sweep.rival_configs()
-    work = plan(lm, sweep)
-    fidelity = fidelity_work(lm, sweep.lengths, sweep.samples, sweep.seed) if "fidelity" in sweep.tasks else []
-    rival = _rival(lm) if rivals else None
-    failed: dict[str, str] = {}  # rival presses that raised: skipped for the rest of the run, retried next run
-    warm_up(lm.model)
-    written = 0
-    total = (len(work) + len(fidelity)) * len(configs) + len(work) * len(rivals)
+Advance = Callable[..., None]  # advance(rows written, progress steps)
+Unit = tuple[str, int]  # ("fidelity" | "work", index into fidelity_work / plan): what one job does at a time
+
+
+def _bar(console: Console | None) -> Progress:
     columns = (
         TextColumn("{task.description}"),
         BarColumn(),
@@ -221,30 +216,177 @@ def run_sweep(lm: LoadedModel, sweep: Sweep, store: Store, console: Console | No
         TimeElapsedColumn(),
         TimeRemainingColumn(),
     )
-    with Progress(*columns, console=console or Console(stderr=True), transient=False) as bar:
-        task_bar = bar.add_task("sweep", total=total)
+    return Progress(*columns, console=console or Console(stderr=True), transient=False)
 
-        def advance(rows: int = 0, steps: int = 1) -> None:
-            nonlocal written
-            written += rows
-            bar.advance(task_bar, steps)
 
-        for fw in fidelity:
-            bar.update(task_bar, description=f"fidelity {fw.length} #{fw.index}")
-            _run_fidelity(lm, fw, configs, store, advance)
-        for item in work:
-            bar.update(task_bar, description=f"{item.sample.task} {item.length} #{item.sample.index} {item.mode}")
-            _run_kvstack(lm, item, configs, store, advance)
-            if rival is not None:
-                _run_rivals(lm, rival, item, rivals, store, advance, failed)
-    if rival is not None:
-        rival.close()
+class _Share:
+    """One process's view of a sweep: its plan, its rival worker, and how to run one unit."""
+
+    def __init__(self, lm: LoadedModel, sweep: Sweep, store: Store | None) -> None:
+        self.lm, self.sweep, self.store = lm, sweep, store
+        self.configs, self.rivals = sweep.configs(), sweep.rival_configs()
+        self.work = plan(lm, sweep)
+        self.fidelity = fidelity_work(lm, sweep.lengths, sweep.samples, sweep.seed) if "fidelity" in sweep.tasks else []
+        self.rival: KvpressRival | None = None  # started on first use
+        self.failed: dict[str, str] = {}  # rival presses that raised: skipped for the rest of the run, retried next run
+
+    @property
+    def units(self) -> list[Unit]:
+        return [("fidelity", i) for i in range(len(self.fidelity))] + [("work", i) for i in range(len(self.work))]
+
+    @property
+    def steps(self) -> int:
+        """Progress steps of the whole sweep: one per (config, answer)."""
+        return (len(self.work) + len(self.fidelity)) * len(self.configs) + len(self.work) * len(self.rivals)
+
+    def describe(self, unit: Unit) -> str:
+        kind, i = unit
+        if kind == "fidelity":
+            return f"fidelity {self.fidelity[i].length} #{self.fidelity[i].index}"
+        item = self.work[i]
+        return f"{item.sample.task} {item.length} #{item.sample.index} {item.mode}"
+
+    def run(self, unit: Unit, advance: Advance) -> None:
+        assert self.store is not None, "a planning-only share runs nothing"
+        kind, i = unit
+        if kind == "fidelity":
+            _run_fidelity(self.lm, self.fidelity[i], self.configs, self.store, advance)
+            return
+        _run_kvstack(self.lm, self.work[i], self.configs, self.store, advance)
+        if self.rivals:
+            self.rival = self.rival or _rival(self.lm)
+            _run_rivals(self.lm, self.rival, self.work[i], self.rivals, self.store, advance, self.failed)
+
+    def close(self) -> None:
+        if self.rival is not None:
+            self.rival.close()
+
+
+def run_sweep(lm: LoadedModel, sweep: Sweep, store: Store, console: Console | None = None, jobs: int = 1) -> int:
+    """Answer every missing (cell, sample, question); returns how many rows were written.
+
+    `jobs` > 1 runs units (a sample's question under every config, or a fidelity window) in
+    that many processes, each with its share of the cores, all writing to the same store.
+    """
+    console = console or Console(stderr=True)
+    if jobs > 1:
+        failed, written = _run_parallel(lm, sweep, store.path, console, jobs)
+    else:
+        share = _Share(lm, sweep, store)
+        warm_up(lm.model)
+        written = 0
+        with _bar(console) as bar:
+            task_bar = bar.add_task("sweep", total=share.steps)
+
+            def advance(rows: int = 0, steps: int = 1) -> None:
+                nonlocal written
+                written += rows
+                bar.advance(task_bar, steps)
+
+            for unit in share.units:
+                bar.update(task_bar, description=share.describe(unit))
+                share.run(unit, advance)
+        share.close()
+        failed = share.failed
     for method, error in failed.items():
-        (console or Console(stderr=True)).print(f"[yellow]{method} failed, no rows stored:[/] {error}", highlight=False)
+        console.print(f"[yellow]{method} failed, no rows stored:[/] {error}", highlight=False)
     return written
 
 
-Advance = Callable[..., None]
+def threads_per_job(jobs: int) -> int:
+    """Cores each of `jobs` processes gets; more jobs than cores is refused (they would thrash)."""
+    import torch
+
+    cores = torch.get_num_threads()
+    if jobs < 1:
+        raise UserError("--jobs must be at least 1")
+    if jobs > cores:
+        raise UserError(
+            f"--jobs {jobs} is more than the {cores} cores torch uses here: each job needs a core of its own "
+            f"(use --jobs {cores} or fewer)"
+        )
+    return cores // jobs
+
+
+def _run_parallel(lm: LoadedModel, sweep: Sweep, path: Path, console: Console, jobs: int) -> tuple[dict[str, str], int]:
+    """Spawn `jobs` workers pulling units from one queue; show their progress in one bar."""
+    import multiprocessing as mp
+    import queue
+
+    threads = threads_per_job(jobs)
+    share = _Share(lm, sweep, None)  # the parent only plans and counts
+    ctx = mp.get_context("spawn")
+    todo, events = ctx.Queue(), ctx.Queue()
+    for unit in share.units:
+        todo.put(unit)
+    for _ in range(jobs):
+        todo.put(None)
+    model = str(lm.folder) if lm.folder is not None else sweep.model
+    procs = [ctx.Process(target=_worker, args=(model, sweep, str(path), threads, todo, events)) for _ in range(jobs)]
+    for proc in procs:
+        proc.start()
+    failed: dict[str, str] = {}
+    written, finished = 0, 0
+    with _bar(console) as bar:
+        task_bar = bar.add_task(f"sweep ({jobs} jobs x {threads} threads)", total=share.steps)
+        while finished < jobs:
+            try:
+                kind, *payload = events.get(timeout=1.0)
+            except queue.Empty:
+                dead = [p for p in procs if p.exitcode not in (None, 0)]
+                if dead:
+                    for p in procs:
+                        p.kill()
+                    raise UserError(
+                        f"a benchmark job died (exit code {dead[0].exitcode}); finished rows are stored: "
+                        "re-run the same command to resume"
+                    ) from None
+                continue
+            if kind == "advance":
+                written += payload[0]
+                bar.advance(task_bar, payload[1])
+            elif kind == "failed":
+                failed[payload[0]] = payload[1]
+            elif kind == "error":
+                for p in procs:
+                    p.kill()
+                raise UserError(payload[0])
+            elif kind == "done":
+                finished += 1
+    for proc in procs:
+        proc.join()
+    return failed, written
+
+
+def _worker(model: str, sweep: Sweep, path: str, threads: int, todo: Any, events: Any) -> None:
+    """One job: load the model with `threads` cores, run units until the queue says stop."""
+    import os
+
+    os.environ["OMP_NUM_THREADS"] = str(threads)  # for the rival's worker process too
+    import torch
+
+    torch.set_num_threads(threads)
+    from kvstack.models import load
+
+    try:
+        lm = load(model)
+        store = Store(Path(path))
+        share = _Share(lm, sweep, store)
+        warm_up(lm.model)
+
+        def advance(rows: int = 0, steps: int = 1) -> None:
+            events.put(("advance", rows, steps))
+
+        while (unit := todo.get()) is not None:
+            share.run(unit, advance)
+        share.close()
+        store.close()
+        for method, error in share.failed.items():
+            events.put(("failed", method, error))
+    except UserError as err:
+        events.put(("error", str(err)))
+        return
+    events.put(("done",))
 
 
 def _cell(lm: LoadedModel, method: str, budget: str, mode: str, task: str, length: int) -> Cell:
