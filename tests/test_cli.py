@@ -181,6 +181,16 @@ def test_a_killed_sweep_completes_on_rerun_without_recomputing(tiny_folder, tmp_
     assert all(after[k] == created for k, created in before.items())  # finished rows were not recomputed
 
 
+def test_demo_runs_a_small_bench_and_points_to_the_report(tiny_folder, tmp_path):
+    code, out, err = run(
+        "demo", "--model", str(tiny_folder), "--samples", "1", "--length", "1k", "--out", str(tmp_path)
+    )
+    assert code == 0, err
+    assert "14 new answers" in out  # (full + 3 methods x 2 budgets) x 2 tasks x 1 sample
+    assert "snapkv" in out and "streaming" in out and "knorm" in out and "full cache" in out
+    assert f"Open {tmp_path / 'report.html'}" in out.replace("\n", "") and (tmp_path / "score_vs_kv_0.png").exists()
+
+
 def test_bench_on_a_task_file(tiny_folder, tmp_path):
     rows = [
         {"context": "The vault code is 4821. " * 20, "question": "What is the vault code?", "answer": "4821"},

@@ -63,3 +63,66 @@ def test_report_writes_a_page_with_its_plot_and_marks_the_best(tmp_path):
 def test_report_without_results_says_how_to_get_them(tmp_path):
     with pytest.raises(UserError, match="run `kvstack bench"):
         write_report(tmp_path)
+
+
+def chromium() -> str | None:
+    import shutil
+
+    return shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+def screenshot(page, out):
+    """Render `page` in headless Chromium (flags keep it off the network); return the pixels (h, w, rgba)."""
+    import subprocess
+    import tempfile
+
+    from matplotlib.image import imread
+
+    with tempfile.TemporaryDirectory() as profile:
+        flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run"]
+        flags += ["--disable-background-networking", "--disable-component-update", "--disable-sync"]
+        flags += [f"--user-data-dir={profile}", f"--screenshot={out}", "--window-size=1280,2000"]
+        subprocess.run([chromium(), *flags, page.as_uri()], capture_output=True, timeout=120, check=True)
+    return imread(out)
+
+
+@pytest.mark.skipif(chromium() is None, reason="needs Debian's chromium: `make test` installs it (apt-get)")
+def test_the_report_renders_its_plots_in_a_real_browser(tmp_path):
+    import numpy as np
+
+    fill(tmp_path / "results.sqlite")
+    page = write_report(tmp_path)
+    pixels = screenshot(page, tmp_path / "shot.png")[..., :3]
+
+    def plotted(pixels) -> int:
+        """Pixels of matplotlib's first two line colours (blue, orange): only the plot draws them."""
+        blue = np.abs(pixels - np.array([0x1F, 0x77, 0xB4]) / 255).max(-1) < 0.08
+        orange = np.abs(pixels - np.array([0xFF, 0x7F, 0x0E]) / 255).max(-1) < 0.08
+        return int(blue.sum()), int(orange.sum())
+
+    assert pixels.shape[:2] == (2000, 1280) and pixels.std() > 0.05  # not blank
+    assert min(plotted(pixels)) > 200  # both methods' lines are on screen
+    (tmp_path / "score_vs_kv_0.png").unlink()  # the same page without its plot: the check sees it
+    assert max(plotted(screenshot(page, tmp_path / "broken.png")[..., :3])) < 50
+
+
+def test_rivals_share_their_papers_colour_and_sit_beside_it(tmp_path):
+    from kvstack.bench.report import kvstack_method, line_styles
+
+    fill(tmp_path / "results.sqlite")
+    store = Store(tmp_path / "results.sqlite")
+    for task, score in (("niah_single", 0.5), ("qa", 1.0)):  # qa: kvpress only, left out of the comparison
+        cell = Cell("smollm2-135m", "kvpress:snapkv", "0.5", "agnostic", task, 2048)
+        store.add(Row(cell, 0, 0, score, "x", ("x",), None, 120, 200, 0.6, 1.0, 0.02, 20.0, 900.0))
+    store.close()
+    text = write_report(tmp_path).read_text()
+    # snapkv at 0.5 on niah_single: samples 1.0 and 0.5 -> 0.75; kvpress 0.5 (qa not compared)
+    assert "<td>snapkv / kvpress:snapkv</td><td>0.5</td><td>1</td><td>0.75 / 0.50</td><td>0.500 / 0.600</td>" in text
+    assert "kvpress:knorm" not in text
+    assert (
+        kvstack_method("kvpress:streaming_llm") == "streaming" and kvstack_method("kvpress:expected_attention") is None
+    )
+    styles = line_styles(["knorm", "snapkv", "kvpress:snapkv", "kvpress:expected_attention"])
+    assert styles["kvpress:snapkv"]["color"] == styles["snapkv"]["color"] != styles["knorm"]["color"]
+    assert styles["kvpress:snapkv"]["linestyle"] == "--" and styles["snapkv"]["linestyle"] == "-"
+    assert styles["kvpress:expected_attention"]["color"] not in (styles["snapkv"]["color"], styles["knorm"]["color"])

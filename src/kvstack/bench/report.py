@@ -81,16 +81,21 @@ def plot_group(group: Group, points: list[Point], path: Path) -> None:
     from matplotlib.ticker import FuncFormatter
 
     tasks = sorted({p.task for p in points})
-    fig, axes = plt.subplots(1, len(tasks), figsize=(4.2 * len(tasks), 3.6), squeeze=False)
-    methods = sorted({p.method for p in points if p.method != "full"})
-    for ax, task in zip(axes[0], tasks, strict=True):
+    columns = min(len(tasks), 4)
+    rows = -(-len(tasks) // columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(4.2 * columns, 3.6 * rows), squeeze=False)
+    for ax in axes.flat[len(tasks) :]:
+        ax.set_visible(False)
+    methods = sorted({p.method for p in points if p.method != "full"}, key=lambda m: (m.startswith("kvpress:"), m))
+    styles = line_styles(methods)
+    for ax, task in zip(axes.flat, tasks, strict=False):
         for p in points:
             if p.task == task and p.method == "full":
                 ax.axhline(p.score, color="black", linestyle="--", linewidth=1, label="full cache")
         for method in methods:
             line = sorted((p.kv_ratio, p.score) for p in points if p.task == task and p.method == method)
             if line:
-                ax.plot(*zip(*line, strict=True), marker="o", label=method)
+                ax.plot(*zip(*line, strict=True), label=method, **styles[method])
         ax.set_title(task)
         ax.set_xlabel("KV bytes held / full (measured)")
         ax.set_xscale("log", base=2)
@@ -100,13 +105,38 @@ def plot_group(group: Group, points: list[Point], path: Path) -> None:
         ax.set_xlim(lo, 1.15)
         ax.set_ylim(-0.05, 1.05)
         ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("score")
-    axes[0][-1].legend(fontsize=8, loc="lower right")
+    for ax in axes[:, 0]:
+        ax.set_ylabel("score")
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    fig.legend(handles, labels, fontsize=8, loc="center left", bbox_to_anchor=(1.0, 0.5), frameon=False)
     model, mode, length = group
     fig.suptitle(f"{model} - {tokens_label(length)} - query-{mode}")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
+
+
+def kvstack_method(rival: str) -> str | None:
+    """`kvpress:snapkv` -> `snapkv`: the kvstack method implementing the same paper, if any."""
+    from kvstack.bench.rivals.kvpress_rival import COUNTERPART
+
+    press = rival.partition(":")[2]
+    return next((m for m, p in COUNTERPART.items() if p == press), None)
+
+
+def line_styles(methods: list[str]) -> dict[str, dict[str, Any]]:
+    """One colour per paper: kvstack's line solid with dots, kvpress's counterpart dashed with crosses."""
+    from matplotlib import colormaps
+
+    palette = colormaps["tab10" if len(methods) <= 10 else "tab20"].colors
+    colours: dict[str, Any] = {}
+    styles = {}
+    for method in methods:
+        rival = method.startswith("kvpress:")
+        paper = (kvstack_method(method) or method) if rival else method
+        colour = colours.setdefault(paper, palette[len(colours) % len(palette)])
+        styles[method] = {"color": colour, "marker": "x" if rival else "o", "linestyle": "--" if rival else "-"}
+    return styles
 
 
 def score_table(points: list[Point]) -> str:
@@ -138,9 +168,10 @@ def score_table(points: list[Point]) -> str:
                 cells.append(f"<td><b>{text}</b></td>" if v is not None and v == best[b] else f"<td>{text}</td>")
             rows.append(f"<tr><td>{html.escape(m)}</td>{''.join(cells)}</tr>")
         parts.append(
-            f"<h3>{html.escape(task)}</h3><table><tr><th>method \\ budget</th>{head}</tr>{''.join(rows)}</table>"
+            f"<div><h3>{html.escape(task)}</h3><table><tr><th>method \\ budget</th>{head}</tr>"
+            f"{''.join(rows)}</table></div>"
         )
-    return "\n".join(parts)
+    return f"<div class='tables'>{''.join(parts)}</div>"
 
 
 def speed_table(points: list[Point]) -> str:
@@ -160,6 +191,42 @@ def speed_table(points: list[Point]) -> str:
     return (
         "<table><tr><th>method</th><th>budget</th><th>KV ratio</th><th>prefill s</th><th>compress s</th>"
         f"<th>decode tok/s</th></tr>{''.join(rows)}</table>"
+    )
+
+
+def rival_table(points: list[Point]) -> str:
+    """HTML: each kvstack method beside its kvpress counterpart, over the tasks both ran: score, bytes, time."""
+    methods = {p.method for p in points}
+    pairs = sorted((ours, r) for r in methods if r.startswith("kvpress:") and (ours := kvstack_method(r)) in methods)
+    rows = []
+    for ours, theirs in pairs:
+        for budget in budgets_of(points):
+            a = {p.task: p for p in points if p.method == ours and p.budget == budget}
+            b = {p.task: p for p in points if p.method == theirs and p.budget == budget}
+            tasks = sorted(a.keys() & b.keys())
+            if not tasks:
+                continue
+
+            def mean(side: dict[str, Point], attr: str, tasks: list[str] = tasks) -> float:
+                return statistics.fmean(getattr(side[t], attr) for t in tasks)
+
+            cells = [
+                f"{mean(a, 'score'):.2f} / {mean(b, 'score'):.2f}",
+                f"{mean(a, 'kv_ratio'):.3f} / {mean(b, 'kv_ratio'):.3f}",
+                f"{mean(a, 'compress_s'):.3f} / {mean(b, 'compress_s'):.3f}",
+                f"{mean(a, 'decode_tokens_per_s'):.1f} / {mean(b, 'decode_tokens_per_s'):.1f}",
+            ]
+            rows.append(
+                f"<tr><td>{html.escape(ours)} / {html.escape(theirs)}</td><td>{html.escape(budget)}</td>"
+                f"<td>{len(tasks)}</td>{''.join(f'<td>{c}</td>' for c in cells)}</tr>"
+            )
+    if not rows:
+        return ""
+    return (
+        "<h3>kvstack / kvpress, same paper</h3><table><tr><th>method</th><th>budget</th><th>tasks</th>"
+        "<th>score</th><th>KV ratio</th><th>compress s</th><th>decode tok/s</th></tr>"
+        f"{''.join(rows)}</table><p><small>kvpress compresses once after the prefill and lets the cache grow while "
+        "decoding; kvstack holds the budget at every step. Means over the tasks both ran.</small></p>"
     )
 
 
@@ -188,13 +255,14 @@ def write_report(out_dir: Path, groups: dict[Group, list[Point]] | None = None) 
         sections.append(
             f"<h2>{html.escape(model)} - {tokens_label(length)} - query-{mode} ({n}+ samples per cell)</h2>"
             f'<img src="{png.name}" alt="score vs KV ratio">'
-            f"{score_table(points)}<h3>speed</h3>{speed_table(points)}"
+            f"{score_table(points)}{rival_table(points)}<h3>speed</h3>{speed_table(points)}"
         )
     page = (
         "<!doctype html><html><head><meta charset='utf-8'><title>kvstack report</title><style>"
         "body{font-family:sans-serif;margin:2em;max-width:1400px}table{border-collapse:collapse;margin:.5em 0}"
         "td,th{border:1px solid #ccc;padding:.25em .6em;text-align:right}td:first-child{text-align:left}"
-        "img{max-width:100%}</style></head><body><h1>kvstack benchmark</h1>"
+        "img{max-width:100%}.tables{display:flex;flex-wrap:wrap;gap:0 2em}</style></head><body>"
+        "<h1>kvstack benchmark</h1>"
         "<p>Scores are RULER string match (share of reference strings in the answer); for <i>fidelity</i> the "
         "score is top-1 agreement with the full cache while teacher-forcing real text. KV ratio is measured "
         "from the cache's tensors after the prompt; percentages are relative to the full cache.</p>"
