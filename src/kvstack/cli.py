@@ -251,16 +251,12 @@ def demo(
 
     try:
         tokens = _length(length)
-    except UserError as e:
-        _fail(str(e))
-        return
-    out.print(
-        f"kvstack demo: {model}, {', '.join(DEMO_METHODS)} vs the full cache at {' and '.join(DEMO_BUDGETS)} of "
-        f"its bytes, on {' and '.join(DEMO_TASKS)} at {tokens} tokens, {samples} samples each, context compressed "
-        "before the question is seen. Re-running resumes.",
-        highlight=False,
-    )
-    try:
+        out.print(
+            f"kvstack demo: {model}, {', '.join(DEMO_METHODS)} vs the full cache at {' and '.join(DEMO_BUDGETS)} "
+            f"of its bytes, on {' and '.join(DEMO_TASKS)} at {tokens} tokens, {samples} samples each, context "
+            "compressed before the question is seen. Re-running resumes.",
+            highlight=False,
+        )
         sweep = Sweep(model, DEMO_METHODS, DEMO_BUDGETS, DEMO_TASKS, (tokens,), ("agnostic",), samples)
         written = _sweep(sweep, out_dir, jobs=1)
         report_path = _report(out_dir)
