@@ -1,3 +1,4 @@
+import os
 import sys
 from pathlib import Path
 
@@ -10,17 +11,19 @@ from tiny import char_tokenizer, tiny_gemma3, tiny_llama  # noqa: E402
 torch.set_num_threads(max(1, torch.get_num_threads()))
 
 TINY = {"llama": tiny_llama, "gemma3": tiny_gemma3}
+# KVSTACK_TEST_DEVICE=cuda runs the tiny-model fixtures on a GPU (the cache and methods follow the model's device)
+DEVICE = os.environ.get("KVSTACK_TEST_DEVICE", "cpu")
 
 
 @pytest.fixture(scope="session", params=list(TINY))
 def tiny(request):
     """A tiny random model (float32, kvstack attention), once per architecture."""
-    return TINY[request.param]()
+    return TINY[request.param]().to(DEVICE)
 
 
 @pytest.fixture(scope="session")
 def llama():
-    return tiny_llama()
+    return tiny_llama().to(DEVICE)
 
 
 @pytest.fixture(scope="session")

@@ -29,14 +29,16 @@ def step_logits(model, cache, ids, follow):
 
 
 def test_full_cache_matches_transformers_dynamic_cache(tiny):
-    ids = torch.tensor([prompt(40)])
+    ids = torch.tensor([prompt(40)], device=tiny.device)
     with torch.no_grad():
         tiny.set_attn_implementation("sdpa")
-        ref = tiny(ids, past_key_values=DynamicCache(config=tiny.config)).logits
-        ref_gen = tiny.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=30, do_sample=False, pad_token_id=0
-        )
-        tiny.set_attn_implementation("kvstack")
+        try:
+            ref = tiny(ids, past_key_values=DynamicCache(config=tiny.config)).logits
+            ref_gen = tiny.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=30, do_sample=False, pad_token_id=0
+            )
+        finally:  # the fixture is shared: never leave it on another attention
+            tiny.set_attn_implementation("kvstack")
         cache = KVCache(tiny)
         out = tiny(ids, past_key_values=cache).logits
         gen = tiny.generate(
@@ -103,8 +105,9 @@ def test_ragged_heads_free_memory_per_head(llama):
     _Runner(llama, cache).forward(torch.tensor([prompt(32)]), torch.ones(1, 32, dtype=torch.long))
     layer = cache.layers[0]
     before = cache.nbytes()
-    index = torch.arange(32).view(1, 1, 32).expand(1, 2, 32)
-    layer.apply(Keep(index=index, count=torch.tensor([[4, 20]])))  # head 0 keeps 4, head 1 keeps 20
+    index = torch.arange(32, device=llama.device).view(1, 1, 32).expand(1, 2, 32)
+    # head 0 keeps 4, head 1 keeps 20
+    layer.apply(Keep(index=index, count=torch.tensor([[4, 20]], device=llama.device)))
     assert [layer.head_len(h) for h in range(2)] == [4, 20]
     assert layer.head_nbytes(0) < layer.head_nbytes(1)
     d = layer.keys[0].shape[-1]
@@ -139,7 +142,7 @@ def test_query_agnostic_never_evicts_the_question(llama):
 
 
 def test_generate_with_transformers_keeps_the_budget(tiny):
-    ids = torch.tensor([prompt(64)])
+    ids = torch.tensor([prompt(64)], device=tiny.device)
     cache = KVCache(tiny, "streaming(sinks=2)", 0.5)
     out = tiny.generate(
         ids,
@@ -179,8 +182,8 @@ def test_transformers_generate_with_left_padding_matches_single_prompts(llama):
     for i, r in enumerate(rows):
         ids[i, 40 - len(r) :], mask[i, 40 - len(r) :] = torch.tensor(r), 1
     both = llama.generate(
-        ids,
-        attention_mask=mask,
+        ids.to(llama.device),
+        attention_mask=mask.to(llama.device),
         max_new_tokens=12,
         do_sample=False,
         pad_token_id=0,
@@ -188,8 +191,8 @@ def test_transformers_generate_with_left_padding_matches_single_prompts(llama):
     )
     for i, r in enumerate(rows):
         one = llama.generate(
-            torch.tensor([r]),
-            attention_mask=torch.ones(1, len(r), dtype=torch.long),
+            torch.tensor([r], device=llama.device),
+            attention_mask=torch.ones(1, len(r), dtype=torch.long, device=llama.device),
             max_new_tokens=12,
             do_sample=False,
             pad_token_id=0,

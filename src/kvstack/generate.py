@@ -8,7 +8,6 @@ uncompressed (exempt), so one compressed context can serve many questions.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -19,6 +18,7 @@ from kvstack.cache.budget import Budget
 from kvstack.cache.cache import KVCache
 from kvstack.errors import UserError
 from kvstack.stack import Stack
+from kvstack.timing import now
 
 
 @dataclass
@@ -154,13 +154,13 @@ def generate_ids(
     budget = Budget.parse(budget)
     check_prompts(model, prompts, max_new_tokens, stack, budget)
     runner = _Runner(model, KVCache(model, stack, budget))
-    start = time.perf_counter()
+    start = now(model.device)
     if query_agnostic:
         runner.forward(*_left_pad([p.context for p in prompts], pad_id))
         logits = _ask(runner, prompts, pad_id)
     else:
         logits = runner.forward(*_left_pad([p.context + p.question for p in prompts], pad_id))
-    prefill_s = time.perf_counter() - start - runner.cache.timings["compress_s"]
+    prefill_s = now(model.device) - start - runner.cache.compress_clock.seconds
     return _finish(runner, logits, prefill_s, max_new_tokens, eos_ids or set(), query_agnostic)
 
 
@@ -183,9 +183,9 @@ def generate_forks(
     for stack, budget in stacks:
         check_prompts(model, prompts, max_new_tokens, stack, budget)
     source = _observing_runner(model, stacks)
-    start = time.perf_counter()
+    start = now(model.device)
     source.forward(*_left_pad([p.context for p in prompts], pad_id))
-    prefill_s = time.perf_counter() - start - source.cache.timings["compress_s"]
+    prefill_s = now(model.device) - start - source.cache.compress_clock.seconds
     for stack, budget in stacks:
         runner = source.fork(stack, budget)
         logits = _ask(runner, prompts, pad_id)
@@ -219,7 +219,7 @@ def fidelity_forks(
             "kv_bytes": kv_bytes,
             "kv_bytes_full": kv_full,
             "kv_ratio": kv_bytes / kv_full if kv_full else 1.0,
-            "compress_s": runner.cache.timings["compress_s"],
+            "compress_s": runner.cache.compress_clock.seconds,
         }
 
 
@@ -262,7 +262,7 @@ def _finish(
     b = logits.shape[0]
     out: list[list[int]] = [[] for _ in range(b)]
     done = torch.zeros(b, dtype=torch.bool)
-    start = time.perf_counter()
+    start = now(logits.device)
     steps = 0
     for step in range(max_new_tokens):
         nxt = logits.argmax(-1).cpu()
@@ -274,7 +274,7 @@ def _finish(
             break
         logits = runner.forward(nxt.unsqueeze(1), torch.ones((b, 1), dtype=torch.long))
         steps += 1
-    decode_s = time.perf_counter() - start
+    decode_s = now(logits.device) - start
     measures = {
         "kv_bytes": kv_bytes,
         "kv_bytes_full": kv_full,
@@ -282,7 +282,7 @@ def _finish(
         "kv_bytes_end": cache.nbytes(),
         "kv_bytes_full_end": cache.full_nbytes(),
         "prefill_s": prefill_s,
-        "compress_s": cache.timings["compress_s"],
+        "compress_s": cache.compress_clock.seconds,
         "decode_s": decode_s,
         "decode_tokens_per_s": steps * b / decode_s if decode_s > 0 and steps else 0.0,
         "stats": cache.stats(),

@@ -8,7 +8,6 @@ gathers them into smaller tensors: memory is freed for real and `nbytes()` reads
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -23,6 +22,7 @@ from kvstack.cache.layer import CompressedLayer, SequenceState
 from kvstack.methods.base import Observation
 from kvstack.methods.select import select
 from kvstack.stack import Stack
+from kvstack.timing import Stopwatch
 
 register()
 OPEN_END = 2**62
@@ -76,7 +76,7 @@ class KVCache(Cache):
         # recorded beyond what the stack needs, so that `fork` can serve other stacks
         self.extra_needs, self.extra_window = frozenset(observe), query_window
         self._source = model_or_config
-        self.timings = {"compress_s": 0.0}
+        self.compress_clock = Stopwatch()  # statistics + scoring + gathering, prefill and decode
         self.compressions = 0
 
     # ---- the transformers Cache API ------------------------------------------------------
@@ -143,12 +143,12 @@ class KVCache(Cache):
 
         Statistics are billed to `compress_s`: they are work a method causes, not prefill.
         """
-        started = time.perf_counter()
+        started = self.compress_clock.start(query.device)
         layer.observe_queries(query.detach(), query_slots, self.query_window)
         needs = self.needs & statistics.STATISTICS
         if needs:
             statistics.record(layer, needs, query, query_slots, padding, window, scale)
-        self.timings["compress_s"] += time.perf_counter() - started
+        self.compress_clock.stop(started)
         self.maintain(layer, decoding=query.shape[2] == 1)
 
     @property
@@ -216,12 +216,12 @@ class KVCache(Cache):
         """Ask the stack's evictor for scores and keep `keep[b, h]` tokens per head."""
         method = self.stack.evictor
         assert method is not None
-        start = time.perf_counter()
+        start = self.compress_clock.start(layer.keys[0].device if layer.keys else None)
         obs = Observation(layer, keep, self.seq.token_index())
         scores = method.score(obs)
         protected = self.seq.is_exempt(obs.slots) if self.seq.exempt else None
         layer.apply(select(scores, obs.valid, obs.slots, keep, protected))
-        self.timings["compress_s"] += time.perf_counter() - start
+        self.compress_clock.stop(start)
         self.compressions += 1
 
     @contextmanager
