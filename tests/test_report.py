@@ -57,7 +57,7 @@ def test_report_writes_a_page_with_its_plot_and_marks_the_best(tmp_path):
     assert png.exists() and png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
     assert 'src="score_vs_kv_0.png"' in text
     assert "<b>0.75 <small>(100%)</small></b>" in text  # snapkv at 0.5 matches the full cache: best, bold
-    assert "decode tok/s" in text
+    assert "decode tok/s" in text and "<td>900</td>" in text  # peak RSS, MB
 
 
 def test_report_without_results_says_how_to_get_them(tmp_path):

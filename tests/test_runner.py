@@ -144,4 +144,5 @@ def test_kvpress_runs_on_the_same_samples_with_measured_bytes(tmp_path):
     ):
         row = rows[f"kvpress:{press}"]
         assert 0.3 < row["kv_ratio"] < 0.75, (press, row["kv_ratio"])  # real eviction, measured
+        assert row["peak_rss_mb"] > 200  # the kvpress process's own memory (it holds a copy of the model)
         assert row["answer"]

@@ -8,6 +8,7 @@ of each column in bold (and relative to the full cache); a speed table.
 from __future__ import annotations
 
 import html
+import math
 import statistics
 from collections import defaultdict
 from collections.abc import Iterable
@@ -33,6 +34,7 @@ class Point:
     prefill_s: float
     compress_s: float
     decode_tokens_per_s: float
+    peak_rss_mb: float = math.nan
 
 
 def aggregate(rows: Iterable[dict[str, Any]]) -> dict[Group, list[Point]]:
@@ -53,6 +55,7 @@ def aggregate(rows: Iterable[dict[str, Any]]) -> dict[Group, list[Point]]:
                 prefill_s=_median(r["prefill_s"] for r in rs),
                 compress_s=_median(r["compress_s"] for r in rs),
                 decode_tokens_per_s=_median(r["decode_tokens_per_s"] for r in rs),
+                peak_rss_mb=max((r["peak_rss_mb"] for r in rs if r["peak_rss_mb"] is not None), default=math.nan),
             )
         )
     return dict(out)
@@ -186,11 +189,12 @@ def speed_table(points: list[Point]) -> str:
             f"<td>{statistics.fmean(p.kv_ratio for p in ps):.3f}</td>"
             f"<td>{_median(p.prefill_s for p in ps):.2f}</td>"
             f"<td>{_median(p.compress_s for p in ps):.3f}</td>"
-            f"<td>{_median(p.decode_tokens_per_s for p in ps):.1f}</td></tr>"
+            f"<td>{_median(p.decode_tokens_per_s for p in ps):.1f}</td>"
+            f"<td>{max((p.peak_rss_mb for p in ps if not math.isnan(p.peak_rss_mb)), default=math.nan):.0f}</td></tr>"
         )
     return (
         "<table><tr><th>method</th><th>budget</th><th>KV ratio</th><th>prefill s</th><th>compress s</th>"
-        f"<th>decode tok/s</th></tr>{''.join(rows)}</table>"
+        f"<th>decode tok/s</th><th>peak RSS MB</th></tr>{''.join(rows)}</table>"
     )
 
 

@@ -524,7 +524,7 @@ def _run_rivals(
             r["prefill_s"],
             r["compress_s"],
             r["decode_tokens_per_s"],
-            _peak_rss_mb(),
+            r["peak_rss_mb"],  # the kvpress process's own
         )
         advance(store.add(row))
 

@@ -9,6 +9,7 @@ as kvstack measures its own, so head-wise presses that mask instead of evicting 
 from __future__ import annotations
 
 import json
+import resource
 import sys
 import time
 from typing import Any
@@ -104,6 +105,7 @@ def run(req: dict[str, Any]) -> dict[str, Any]:
         "prefill_s": prefill - spent["compress"],
         "compress_s": spent["compress"],
         "decode_tokens_per_s": steps / decode if steps and decode > 0 else 0.0,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # this (kvpress's) process
     }
 
 
