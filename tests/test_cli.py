@@ -158,12 +158,12 @@ def test_a_killed_sweep_completes_on_rerun_without_recomputing(tiny_folder, tmp_
     expected = 3 * 2 * 25  # (full + 2 methods) x 2 tasks x 25 samples
 
     def rows() -> dict[tuple, float]:
-        if not db.exists():
+        try:
+            with sqlite3.connect(db, timeout=30) as con:
+                cur = con.execute("SELECT method, task, sample, question, created FROM results")
+                return {tuple(r[:-1]): r[-1] for r in cur}
+        except sqlite3.OperationalError:  # the sweep has not created its table yet
             return {}
-        with sqlite3.connect(db, timeout=30) as con:
-            return {
-                tuple(r[:-1]): r[-1] for r in con.execute("SELECT method, task, sample, question, created FROM results")
-            }
 
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 120

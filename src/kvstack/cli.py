@@ -208,7 +208,8 @@ def bench(
 
 def _sweep(sweep: Sweep, out_dir: Path, jobs: int) -> int:
     """Check everything that can be checked before loading, load the model, run the sweep."""
-    from kvstack.bench.runner import run_sweep, threads_per_job
+    from kvstack.bench.jobs import threads_per_job
+    from kvstack.bench.runner import run_sweep
     from kvstack.bench.store import Store
 
     if sweep.rivals:

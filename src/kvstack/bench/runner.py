@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
@@ -208,7 +208,7 @@ Advance = Callable[..., None]  # advance(rows written, progress steps)
 Unit = tuple[str, int]  # ("fidelity" | "work", index into fidelity_work / plan): what one job does at a time
 
 
-def _bar(console: Console | None) -> Progress:
+def progress_bar(console: Console | None) -> Progress:
     columns = (
         TextColumn("{task.description}"),
         BarColumn(),
@@ -219,7 +219,7 @@ def _bar(console: Console | None) -> Progress:
     return Progress(*columns, console=console or Console(stderr=True), transient=False)
 
 
-class _Share:
+class Share:
     """One process's view of a sweep: its plan, its rival worker, and how to run one unit."""
 
     def __init__(self, lm: LoadedModel, sweep: Sweep, store: Store | None) -> None:
@@ -270,12 +270,14 @@ def run_sweep(lm: LoadedModel, sweep: Sweep, store: Store, console: Console | No
     """
     console = console or Console(stderr=True)
     if jobs > 1:
-        failed, written = _run_parallel(lm, sweep, store.path, console, jobs)
+        from kvstack.bench.jobs import run_parallel
+
+        failed, written = run_parallel(lm, sweep, store.path, console, jobs)
     else:
-        share = _Share(lm, sweep, store)
+        share = Share(lm, sweep, store)
         warm_up(lm.model)
         written = 0
-        with _bar(console) as bar:
+        with progress_bar(console) as bar:
             task_bar = bar.add_task("sweep", total=share.steps)
 
             def advance(rows: int = 0, steps: int = 1) -> None:
@@ -291,102 +293,6 @@ def run_sweep(lm: LoadedModel, sweep: Sweep, store: Store, console: Console | No
     for method, error in failed.items():
         console.print(f"[yellow]{method} failed, no rows stored:[/] {error}", highlight=False)
     return written
-
-
-def threads_per_job(jobs: int) -> int:
-    """Cores each of `jobs` processes gets; more jobs than cores is refused (they would thrash)."""
-    import torch
-
-    cores = torch.get_num_threads()
-    if jobs < 1:
-        raise UserError("--jobs must be at least 1")
-    if jobs > cores:
-        raise UserError(
-            f"--jobs {jobs} is more than the {cores} cores torch uses here: each job needs a core of its own "
-            f"(use --jobs {cores} or fewer)"
-        )
-    return cores // jobs
-
-
-def _run_parallel(lm: LoadedModel, sweep: Sweep, path: Path, console: Console, jobs: int) -> tuple[dict[str, str], int]:
-    """Spawn `jobs` workers pulling units from one queue; show their progress in one bar."""
-    import multiprocessing as mp
-    import queue
-
-    threads = threads_per_job(jobs)
-    share = _Share(lm, sweep, None)  # the parent only plans and counts
-    ctx = mp.get_context("spawn")
-    todo, events = ctx.Queue(), ctx.Queue()
-    for unit in share.units:
-        todo.put(unit)
-    for _ in range(jobs):
-        todo.put(None)
-    model = str(lm.folder) if lm.folder is not None else sweep.model
-    procs = [ctx.Process(target=_worker, args=(model, sweep, str(path), threads, todo, events)) for _ in range(jobs)]
-    for proc in procs:
-        proc.start()
-    failed: dict[str, str] = {}
-    written, finished = 0, 0
-    with _bar(console) as bar:
-        task_bar = bar.add_task(f"sweep ({jobs} jobs x {threads} threads)", total=share.steps)
-        while finished < jobs:
-            try:
-                kind, *payload = events.get(timeout=1.0)
-            except queue.Empty:
-                dead = [p for p in procs if p.exitcode not in (None, 0)]
-                if dead:
-                    for p in procs:
-                        p.kill()
-                    raise UserError(
-                        f"a benchmark job died (exit code {dead[0].exitcode}); finished rows are stored: "
-                        "re-run the same command to resume"
-                    ) from None
-                continue
-            if kind == "advance":
-                written += payload[0]
-                bar.advance(task_bar, payload[1])
-            elif kind == "failed":
-                failed[payload[0]] = payload[1]
-            elif kind == "error":
-                for p in procs:
-                    p.kill()
-                raise UserError(payload[0])
-            elif kind == "done":
-                finished += 1
-    for proc in procs:
-        proc.join()
-    return failed, written
-
-
-def _worker(model: str, sweep: Sweep, path: str, threads: int, todo: Any, events: Any) -> None:
-    """One job: load the model with `threads` cores, run units until the queue says stop."""
-    import os
-
-    os.environ["OMP_NUM_THREADS"] = str(threads)  # for the rival's worker process too
-    import torch
-
-    torch.set_num_threads(threads)
-    from kvstack.models import load
-
-    try:
-        lm = load(model)
-        store = Store(Path(path))
-        share = _Share(lm, sweep, store)
-        warm_up(lm.model)
-
-        def advance(rows: int = 0, steps: int = 1) -> None:
-            events.put(("advance", rows, steps))
-
-        while (unit := todo.get()) is not None:
-            share.run(unit, advance)
-        share.close()
-        store.close()
-        for method, error in share.failed.items():
-            events.put(("failed", method, error))
-    except UserError as err:
-        events.put(("error", str(err)))
-        return
-    events.put(("done",))
 
 
 def _cell(lm: LoadedModel, method: str, budget: str, mode: str, task: str, length: int) -> Cell:

@@ -1,0 +1,115 @@
+"""`--jobs N`: N spawned processes pull a sweep's units from one queue, each with its share of the cores.
+
+Every job loads the model, runs whole units (a question under every config, or a fidelity
+window) and writes rows to the same SQLite store (WAL, one commit per row), so a killed
+parallel sweep resumes like a single job. Progress comes back to the parent over a queue.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from kvstack.bench.runner import Share, Sweep, progress_bar
+from kvstack.bench.store import Store
+from kvstack.errors import UserError
+from kvstack.generate import warm_up
+from kvstack.models.loading import LoadedModel
+
+
+def threads_per_job(jobs: int) -> int:
+    """Cores each of `jobs` processes gets; more jobs than cores is refused (they would thrash)."""
+    import torch
+
+    cores = torch.get_num_threads()
+    if jobs < 1:
+        raise UserError("--jobs must be at least 1")
+    if jobs > cores:
+        raise UserError(
+            f"--jobs {jobs} is more than the {cores} cores torch uses here: each job needs a core of its own "
+            f"(use --jobs {cores} or fewer)"
+        )
+    return cores // jobs
+
+
+def run_parallel(lm: LoadedModel, sweep: Sweep, path: Path, console: Console, jobs: int) -> tuple[dict[str, str], int]:
+    """Spawn `jobs` workers pulling units from one queue; show their progress in one bar."""
+    import multiprocessing as mp
+    import queue
+
+    threads = threads_per_job(jobs)
+    share = Share(lm, sweep, None)  # the parent only plans and counts
+    ctx = mp.get_context("spawn")
+    todo, events = ctx.Queue(), ctx.Queue()
+    for unit in share.units:
+        todo.put(unit)
+    for _ in range(jobs):
+        todo.put(None)
+    model = str(lm.folder) if lm.folder is not None else sweep.model
+    procs = [ctx.Process(target=_worker, args=(model, sweep, str(path), threads, todo, events)) for _ in range(jobs)]
+    for proc in procs:
+        proc.start()
+    failed: dict[str, str] = {}
+    written, finished = 0, 0
+    with progress_bar(console) as bar:
+        task_bar = bar.add_task(f"sweep ({jobs} jobs x {threads} threads)", total=share.steps)
+        while finished < jobs:
+            try:
+                kind, *payload = events.get(timeout=1.0)
+            except queue.Empty:
+                dead = [p for p in procs if p.exitcode not in (None, 0)]
+                if dead:
+                    for p in procs:
+                        p.kill()
+                    raise UserError(
+                        f"a benchmark job died (exit code {dead[0].exitcode}); finished rows are stored: "
+                        "re-run the same command to resume"
+                    ) from None
+                continue
+            if kind == "advance":
+                written += payload[0]
+                bar.advance(task_bar, payload[1])
+            elif kind == "failed":
+                failed[payload[0]] = payload[1]
+            elif kind == "error":
+                for p in procs:
+                    p.kill()
+                raise UserError(payload[0])
+            elif kind == "done":
+                finished += 1
+    for proc in procs:
+        proc.join()
+    return failed, written
+
+
+def _worker(model: str, sweep: Sweep, path: str, threads: int, todo: Any, events: Any) -> None:
+    """One job: load the model with `threads` cores, run units until the queue says stop."""
+    import os
+
+    os.environ["OMP_NUM_THREADS"] = str(threads)  # for the rival's worker process too
+    import torch
+
+    torch.set_num_threads(threads)
+    from kvstack.models import load
+
+    try:
+        lm = load(model)
+        store = Store(Path(path))
+        share = Share(lm, sweep, store)
+        warm_up(lm.model)
+
+        def advance(rows: int = 0, steps: int = 1) -> None:
+            events.put(("advance", rows, steps))
+
+        while (unit := todo.get()) is not None:
+            share.run(unit, advance)
+        share.close()
+        store.close()
+        for method, error in share.failed.items():
+            events.put(("failed", method, error))
+    except UserError as err:
+        events.put(("error", str(err)))
+        return
+    events.put(("done",))
