@@ -156,6 +156,27 @@ def test_generate_with_transformers_keeps_the_budget(tiny):
     assert cache.nbytes() <= 0.5 * cache.full_nbytes()
 
 
+@pytest.mark.parametrize("window", [0, 16])
+def test_decoding_never_evicts_the_newest_tokens(llama, window):
+    ids = torch.tensor([prompt(64)], device=llama.device)
+    cache = KVCache(llama, f"knorm(decode_window={window})", 0.25)
+    llama.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=40,
+        do_sample=False,
+        pad_token_id=0,
+        past_key_values=cache,
+    )
+    newest = set(range(64 + 40 - 1 - 16, 64 + 40 - 1))  # the last generated token is never fed back
+    held = [set(layer.head_slots(h).flatten().tolist()) for layer in cache.layers for h in range(layer.n_kv_heads)]
+    if window:
+        assert all(newest <= s for s in held)
+    else:  # knorm alone drops some of what it just generated (why the window exists)
+        assert not all(newest <= s for s in held)
+    assert cache.nbytes() <= 0.25 * cache.full_nbytes() + 1  # still within budget
+
+
 def test_stats_report_tokens_and_bytes_per_head(llama):
     cache = KVCache(llama, "snapkv(window_size=4)", 0.5)
     _Runner(llama, cache).forward(torch.tensor([prompt(40)]), torch.ones(1, 40, dtype=torch.long))

@@ -19,7 +19,7 @@ from kvstack.cache import statistics
 from kvstack.cache.attention import ATTENTION, LayerView, register
 from kvstack.cache.budget import Budget, tokens_to_keep
 from kvstack.cache.layer import CompressedLayer, SequenceState
-from kvstack.methods.base import Observation
+from kvstack.methods.base import Observation, recent_mask
 from kvstack.methods.select import select
 from kvstack.stack import Stack
 from kvstack.timing import Stopwatch
@@ -210,16 +210,23 @@ class KVCache(Cache):
             return
         if decoding and method.every > 1:  # evict ahead so the next `every - 1` steps fit
             keep = torch.maximum(keep - (method.every - 1), torch.clamp(counts, max=self.stack.min_tokens))
-        self.compress_layer(layer, torch.where(over, keep, counts))
+        self.compress_layer(layer, torch.where(over, keep, counts), decoding)
 
-    def compress_layer(self, layer: CompressedLayer, keep: torch.Tensor) -> None:
-        """Ask the stack's evictor for scores and keep `keep[b, h]` tokens per head."""
+    def compress_layer(self, layer: CompressedLayer, keep: torch.Tensor, decoding: bool = False) -> None:
+        """Ask the stack's evictor for scores and keep `keep[b, h]` tokens per head.
+
+        Exempt tokens (a query-agnostic question) are never evicted; while decoding, neither are
+        the evictor's `decode_window` newest tokens.
+        """
         method = self.stack.evictor
         assert method is not None
         start = self.compress_clock.start(layer.keys[0].device if layer.keys else None)
         obs = Observation(layer, keep, self.seq.token_index())
         scores = method.score(obs)
         protected = self.seq.is_exempt(obs.slots) if self.seq.exempt else None
+        if decoding and method.decode_window:
+            recent = recent_mask(obs, method.decode_window)
+            protected = recent if protected is None else protected | recent
         layer.apply(select(scores, obs.valid, obs.slots, keep, protected))
         self.compress_clock.stop(start)
         self.compressions += 1
