@@ -191,6 +191,13 @@ def test_demo_runs_a_small_bench_and_points_to_the_report(tiny_folder, tmp_path)
     assert f"Open {tmp_path / 'report.html'}" in out.replace("\n", "") and (tmp_path / "score_vs_kv_0.png").exists()
 
 
+def test_bench_help_names_every_task():
+    from kvstack.bench.runner import ALL_TASKS
+    from kvstack.cli import TASK_NAMES
+
+    assert TASK_NAMES.split(", ") == list(ALL_TASKS)
+
+
 def test_bench_on_a_task_file(tiny_folder, tmp_path):
     rows = [
         {"context": "The vault code is 4821. " * 20, "question": "What is the vault code?", "answer": "4821"},

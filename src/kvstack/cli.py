@@ -27,6 +27,11 @@ out = Console()
 DEFAULT = "smollm2-135m"
 AGNOSTIC_HELP = "compress the context before the question is seen (reusable context)"
 err = Console(stderr=True)
+# the benchmark's tasks (kvstack.bench.runner.ALL_TASKS; spelled out so `--help` imports no torch)
+TASK_NAMES = (
+    "niah_single, niah_single_prose, niah_single_essays, niah_multikey, niah_multivalue, niah_multiquery, "
+    "vt, cwe, qa, fidelity"
+)
 
 
 def _fail(message: str) -> None:
@@ -163,7 +168,9 @@ def bench(
     budgets: Annotated[str, typer.Option(help="comma-separated budgets")] = "0.5,0.25,0.125",
     tasks: Annotated[
         str | None,
-        typer.Option(help="comma-separated tasks [default: niah_single,niah_multikey,vt; none with --task-file]"),
+        typer.Option(
+            help=f"comma-separated, from: {TASK_NAMES} (default niah_single,niah_multikey,vt; none with --task-file)"
+        ),
     ] = None,
     task_file: Annotated[
         Path | None, typer.Option(help="your own JSONL: {context, question, answer, answer_prefix?, max_new_tokens?}")
