@@ -126,3 +126,20 @@ def test_rivals_share_their_papers_colour_and_sit_beside_it(tmp_path):
     assert styles["kvpress:snapkv"]["color"] == styles["snapkv"]["color"] != styles["knorm"]["color"]
     assert styles["kvpress:snapkv"]["linestyle"] == "--" and styles["snapkv"]["linestyle"] == "-"
     assert styles["kvpress:expected_attention"]["color"] not in (styles["snapkv"]["color"], styles["knorm"]["color"])
+
+
+def test_fidelity_is_reported_apart_from_the_mean_over_answer_tasks(tmp_path):
+    from kvstack.bench.report import MEAN, answer_tasks, load_groups, mean_score
+
+    fill(tmp_path / "results.sqlite")
+    store = Store(tmp_path / "results.sqlite")
+    for method, budget, top1, kl in [("full", "1", 1.0, 0.0), ("snapkv", "0.5", 0.9, 0.05)]:
+        cell = Cell("smollm2-135m", method, budget, "agnostic", "fidelity", 2048)
+        store.add(Row(cell, 0, 0, top1, "", (), None, 100, 200, 0.5, None, 0.1, None, 900.0, kl, 12.5))
+    store.close()
+    (points,) = load_groups(tmp_path).values()
+    assert answer_tasks(points) == ["niah_single", "vt"]
+    assert mean_score(points, "snapkv", "0.5") == pytest.approx(0.75)  # fidelity's 0.9 is not averaged in
+    assert mean_score(points, "snapkv", "0.5", "fidelity") == pytest.approx(0.9)
+    text = write_report(tmp_path).read_text()
+    assert MEAN in text and "<td>snapkv</td><td>0.5</td><td>0.900</td><td>0.050</td><td>12.50</td>" in text

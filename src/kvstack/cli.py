@@ -291,26 +291,23 @@ def report(out_dir: Annotated[Path, typer.Argument(help="a folder written by `kv
 
 def _report(out_dir: Path) -> Path:
     """Print the mean-score table of every group, write the HTML report, return its path."""
-    import statistics
 
-    from kvstack.bench.report import budgets_of, load_groups, tokens_label, write_report
+    from kvstack.bench.report import answer_tasks, budgets_of, load_groups, mean_score, tokens_label, write_report
 
     groups = load_groups(out_dir)
     for (model, mode, length), points in sorted(groups.items()):
         budgets = budgets_of(points)
-        table = Table(title=f"{model}, {tokens_label(length)}, query-{mode}: mean score over tasks")
+        tasks = ", ".join(answer_tasks(points))
+        table = Table(title=f"{model}, {tokens_label(length)}, query-{mode}: mean score over {tasks}")
         table.add_column("method", no_wrap=True)
         for b in budgets:
             table.add_column(b, justify="right")
-        full = [p.score for p in points if p.method == "full"]
-        if full:
-            table.add_row("full cache", *[f"{statistics.fmean(full):.2f}"] * len(budgets))
+        full = mean_score(points, "full", None)
+        if full is not None:
+            table.add_row("full cache", *[f"{full:.2f}"] * len(budgets))
         for method in sorted({p.method for p in points if p.method != "full"}):
-            cells = []
-            for b in budgets:
-                scores = [p.score for p in points if p.method == method and p.budget == b]
-                cells.append(f"{statistics.fmean(scores):.2f}" if scores else "-")
-            table.add_row(method, *cells)
+            cells = [mean_score(points, method, b) for b in budgets]
+            table.add_row(method, *["-" if v is None else f"{v:.2f}" for v in cells])
         out.print(table)
     return write_report(out_dir, groups)
 

@@ -35,6 +35,8 @@ class Point:
     compress_s: float
     decode_tokens_per_s: float
     peak_rss_mb: float = math.nan
+    kl: float = math.nan  # fidelity: mean KL(full || compressed) per token
+    ppl: float = math.nan  # fidelity: median perplexity of the real continuation
 
 
 def aggregate(rows: Iterable[dict[str, Any]]) -> dict[Group, list[Point]]:
@@ -55,6 +57,8 @@ def aggregate(rows: Iterable[dict[str, Any]]) -> dict[Group, list[Point]]:
                 prefill_s=_median(r["prefill_s"] for r in rs),
                 compress_s=_median(r["compress_s"] for r in rs),
                 decode_tokens_per_s=_median(r["decode_tokens_per_s"] for r in rs),
+                kl=_mean(r["kl"] for r in rs),
+                ppl=_median(r["ppl"] for r in rs),
                 peak_rss_mb=max((r["peak_rss_mb"] for r in rs if r["peak_rss_mb"] is not None), default=math.nan),
             )
         )
@@ -142,31 +146,39 @@ def line_styles(methods: list[str]) -> dict[str, dict[str, Any]]:
     return styles
 
 
-def score_table(points: list[Point]) -> str:
-    """HTML: per task (and the mean over tasks), mean score per method x budget; best per column in bold."""
-    budgets = budgets_of(points)
+MEAN = "mean over answer tasks"
+
+
+def answer_tasks(points: list[Point]) -> list[str]:
+    """Tasks scored by answers; `fidelity` (agreement with the full cache, another scale) is shown apart."""
     tasks = sorted({p.task for p in points})
-    full = {p.task: p.score for p in points if p.method == "full"}
+    return [t for t in tasks if t != "fidelity"] or tasks
+
+
+def mean_score(points: list[Point], method: str, budget: str | None, task: str = MEAN) -> float | None:
+    """Mean score of `method` at `budget` (any budget if None) on `task`, or over the answer tasks."""
+    tasks = answer_tasks(points) if task == MEAN else [task]
+    chosen = [
+        p.score for p in points if p.method == method and (budget is None or p.budget == budget) and p.task in tasks
+    ]
+    return statistics.fmean(chosen) if chosen else None
+
+
+def score_table(points: list[Point]) -> str:
+    """HTML: per task and over the answer tasks, mean score per method x budget; best per column in bold."""
+    budgets = budgets_of(points)
     methods = sorted({p.method for p in points if p.method != "full"})
     parts = []
-    for task in [*tasks, "mean over tasks"]:
-
-        def value(method: str, budget: str, task: str = task) -> float | None:
-            chosen = [
-                p.score
-                for p in points
-                if p.method == method and p.budget == budget and (p.task == task or task == "mean over tasks")
-            ]
-            return statistics.fmean(chosen) if chosen else None
-
-        ref = statistics.fmean(full.values()) if task == "mean over tasks" and full else full.get(task)
+    for task in [*sorted({p.task for p in points}), MEAN]:
+        ref = mean_score(points, "full", None, task)
         head = "".join(f"<th>{html.escape(b)}</th>" for b in budgets)
         rows = [f"<tr><td>full cache</td><td colspan={len(budgets)}>{_fmt(ref)}</td></tr>"]
-        best = {b: max((v for m in methods if (v := value(m, b)) is not None), default=None) for b in budgets}
+        values = {(m, b): mean_score(points, m, b, task) for m in methods for b in budgets}
+        best = {b: max((v for m in methods if (v := values[(m, b)]) is not None), default=None) for b in budgets}
         for m in methods:
             cells = []
             for b in budgets:
-                v = value(m, b)
+                v = values[(m, b)]
                 text = _fmt(v) + (f" <small>({v / ref:.0%})</small>" if v is not None and ref else "")
                 cells.append(f"<td><b>{text}</b></td>" if v is not None and v == best[b] else f"<td>{text}</td>")
             rows.append(f"<tr><td>{html.escape(m)}</td>{''.join(cells)}</tr>")
@@ -175,6 +187,23 @@ def score_table(points: list[Point]) -> str:
             f"{''.join(rows)}</table></div>"
         )
     return f"<div class='tables'>{''.join(parts)}</div>"
+
+
+def fidelity_table(points: list[Point]) -> str:
+    """HTML: teacher-forced agreement with the full cache: top-1, KL divergence and perplexity."""
+    rows = [
+        f"<tr><td>{html.escape(p.method)}</td><td>{html.escape(p.budget)}</td><td>{p.score:.3f}</td>"
+        f"<td>{p.kl:.3f}</td><td>{p.ppl:.2f}</td></tr>"
+        for p in sorted(points, key=lambda p: (p.method != "full", p.method, -float(p.budget.rstrip("t"))))
+        if p.task == "fidelity"
+    ]
+    if not rows:
+        return ""
+    return (
+        "<h3>fidelity (real text teacher-forced after the compressed context)</h3><table><tr><th>method</th>"
+        f"<th>budget</th><th>top-1 agreement</th><th>KL(full || method)</th><th>perplexity</th></tr>{''.join(rows)}"
+        "</table>"
+    )
 
 
 def speed_table(points: list[Point]) -> str:
@@ -259,7 +288,7 @@ def write_report(out_dir: Path, groups: dict[Group, list[Point]] | None = None) 
         sections.append(
             f"<h2>{html.escape(model)} - {tokens_label(length)} - query-{mode} ({n}+ samples per cell)</h2>"
             f'<img src="{png.name}" alt="score vs KV ratio">'
-            f"{score_table(points)}{rival_table(points)}<h3>speed</h3>{speed_table(points)}"
+            f"{score_table(points)}{rival_table(points)}{fidelity_table(points)}<h3>speed</h3>{speed_table(points)}"
         )
     page = (
         "<!doctype html><html><head><meta charset='utf-8'><title>kvstack report</title><style>"
@@ -281,6 +310,11 @@ def write_report(out_dir: Path, groups: dict[Group, list[Point]] | None = None) 
 def tokens_label(length: int) -> str:
     """`2048 tokens`, or `contexts of their own length` for task-file cells (length 0)."""
     return f"{length} tokens" if length else "contexts of their own length"
+
+
+def _mean(values: Iterable[float | None]) -> float:
+    known = [v for v in values if v is not None]
+    return statistics.fmean(known) if known else math.nan
 
 
 def _median(values: Iterable[float | None]) -> float:
