@@ -114,8 +114,13 @@ def plot_group(group: Group, points: list[Point], path: Path) -> None:
         ax.grid(alpha=0.3)
     for ax in axes[:, 0]:
         ax.set_ylabel("score")
-    handles, labels = axes.flat[0].get_legend_handles_labels()
-    fig.legend(handles, labels, fontsize=8, loc="center left", bbox_to_anchor=(1.0, 0.5), frameon=False)
+    legend: dict[str, Any] = {}  # every method once, whichever panels it appears in
+    for ax in axes.flat:
+        for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            legend.setdefault(label, handle)
+    fig.legend(
+        list(legend.values()), list(legend), fontsize=8, loc="center left", bbox_to_anchor=(1.0, 0.5), frameon=False
+    )
     model, mode, length = group
     fig.suptitle(f"{model} - {tokens_label(length)} - query-{mode}")
     fig.tight_layout()
@@ -135,12 +140,16 @@ def line_styles(methods: list[str]) -> dict[str, dict[str, Any]]:
     """One colour per paper: kvstack's line solid with dots, kvpress's counterpart dashed with crosses."""
     from matplotlib import colormaps
 
-    palette = colormaps["tab10" if len(methods) <= 10 else "tab20"].colors
+    def paper_of(method: str) -> str:
+        return (kvstack_method(method) or method) if method.startswith("kvpress:") else method
+
+    papers = dict.fromkeys(paper_of(m) for m in methods)
+    palette = colormaps["tab10" if len(papers) <= 10 else "tab20"].colors
     colours: dict[str, Any] = {}
     styles = {}
     for method in methods:
         rival = method.startswith("kvpress:")
-        paper = (kvstack_method(method) or method) if rival else method
+        paper = paper_of(method)
         colour = colours.setdefault(paper, palette[len(colours) % len(palette)])
         styles[method] = {"color": colour, "marker": "x" if rival else "o", "linestyle": "--" if rival else "-"}
     return styles
