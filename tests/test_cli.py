@@ -186,8 +186,8 @@ def test_demo_runs_a_small_bench_and_points_to_the_report(tiny_folder, tmp_path)
         "demo", "--model", str(tiny_folder), "--samples", "1", "--length", "1k", "--out", str(tmp_path)
     )
     assert code == 0, err
-    assert "14 new answers" in out  # (full + 3 methods x 2 budgets) x 2 tasks x 1 sample
-    assert "snapkv" in out and "streaming" in out and "knorm" in out and "full cache" in out
+    assert "18 new answers" in out  # (full + 4 methods x 2 budgets) x 2 tasks x 1 sample
+    assert all(m in out for m in ("snapkv", "tova", "streaming", "knorm", "full cache"))
     assert f"Open {tmp_path / 'report.html'}" in out.replace("\n", "") and (tmp_path / "score_vs_kv_0.png").exists()
 
 
