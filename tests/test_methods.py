@@ -27,6 +27,17 @@ def test_knorm_keeps_the_lowest_key_norms():
     assert kept(layer_with(keys), Stack.parse("knorm").evictor, 2) == [[1, 3]]
 
 
+def test_keydiff_keeps_the_keys_least_like_the_mean_direction():
+    keys = torch.tensor([[[[1.0, 0.0], [2.0, 0.0], [3.0, 0.0], [0.0, 1.0], [-1.0, 1.0]]]])  # (1, 1, 5, 2)
+    method = Stack.parse("keydiff").evictor
+    unit = keys[0, 0] / keys[0, 0].norm(dim=-1, keepdim=True)
+    anchor = unit.mean(0)  # by hand: (0.459, 0.341); cosines 0.80 (x-axis keys), 0.60 (y), -0.15 (anti-diagonal)
+    expected = -(keys[0, 0] @ anchor) / (keys[0, 0].norm(dim=-1) * anchor.norm())
+    assert torch.allclose(method.score(observe(layer_with(keys), 2))[0, 0], expected, atol=1e-6)
+    assert torch.allclose(expected, torch.tensor([-0.802, -0.802, -0.802, -0.596, 0.146]), atol=2e-3)
+    assert kept(layer_with(keys), method, 2) == [[3, 4]]  # the y-axis and anti-diagonal keys are distinctive
+
+
 def test_h2o_keeps_heavy_hitters_and_recent_tokens():
     layer = layer_with(torch.randn(1, 1, 8, 4))
     layer.add_stat("attention_sum", 0, torch.tensor([[5.0, 0.1, 4.0, 0.2, 3.0, 0.3, 0.0, 0.0]]), accumulate=True)
