@@ -54,7 +54,8 @@ def run_parallel(lm: LoadedModel, sweep: Sweep, path: Path, console: Console, jo
     failed: dict[str, str] = {}
     written, finished = 0, 0
     with progress_bar(console) as bar:
-        task_bar = bar.add_task(f"sweep ({jobs} jobs x {threads} threads)", total=share.steps)
+        label = f"sweep ({jobs} jobs x {threads} thread{'s' if threads > 1 else ''})"
+        task_bar = bar.add_task(label, total=share.steps)
         while finished < jobs:
             try:
                 kind, *payload = events.get(timeout=1.0)
