@@ -11,7 +11,9 @@ from kvstack.methods.registry import all_methods
 from kvstack.methods.select import Keep
 
 METHODS = [m for m in all_methods() if m != "full"]
-SPECS = {m: m for m in ["full", *METHODS]} | {"snapkv": "snapkv(window_size=4, every=4)"}
+# short windows and chunks, so the tiny prompts (40-100 tokens) exercise them
+SHORT = {"snapkv": "snapkv(window_size=4, every=4)", "lagkv": "lagkv(sinks=2, lag=8)"}
+SPECS = {m: m for m in ["full", *METHODS]} | SHORT
 
 
 def prompt(n, seed=0):

@@ -38,6 +38,26 @@ def test_keydiff_keeps_the_keys_least_like_the_mean_direction():
     assert kept(layer_with(keys), method, 2) == [[3, 4]]  # the y-axis and anti-diagonal keys are distinctive
 
 
+def test_lagkv_ranks_each_chunk_against_the_next_one():
+    # sinks=1, lag=2: sink 0 | chunk 0 = 1, 2 | chunk 1 = 3, 4 | chunk 2 = 5, 6 (no reference: kept like the tail)
+    keys = torch.tensor([[[[9.0, 9.0], [0.0, 1.0], [1.0, 0.5], [0.0, 0.0], [2.0, 1.0], [0.0, 0.0], [1.0, 1.0]]]])
+    method = Stack.parse("lagkv(sinks=1, lag=2)").evictor
+    scores = method.score(observe(layer_with(keys), 5))[0, 0]
+    # chunk 0 by chunk 1's range (0..2, 0..1): token 1 -> (0, 1), std 0.71; token 2 -> (0.5, 0.5), std 0
+    # chunk 1 by chunk 2's range (0..1, 0..1): token 3 -> (0, 0), std 0; token 4 -> (2, 1), std 0.71
+    # values are all zero (no range): they add the same to every token of a chunk
+    assert scores[0] == float("inf")
+    assert scores[1:5].tolist() == [0.5, 0.0, 0.0, 0.5]  # rank within the chunk / lag
+    assert scores[5] > 2 and scores[6] > scores[5]  # the unreferenced tail, newest first
+    assert kept(layer_with(keys), method, 5) == [[0, 1, 4, 5, 6]]
+
+
+def test_lagkv_on_a_short_sequence_is_streaming():
+    keys = torch.randn(1, 1, 10, 4)
+    lag, streaming = Stack.parse("lagkv(sinks=2, lag=8)").evictor, Stack.parse("streaming(sinks=2)").evictor
+    assert kept(layer_with(keys), lag, 5) == kept(layer_with(keys), streaming, 5) == [[0, 1, 7, 8, 9]]
+
+
 def test_h2o_keeps_heavy_hitters_and_recent_tokens():
     layer = layer_with(torch.randn(1, 1, 8, 4))
     layer.add_stat("attention_sum", 0, torch.tensor([[5.0, 0.1, 4.0, 0.2, 3.0, 0.3, 0.0, 0.0]]), accumulate=True)
