@@ -52,6 +52,24 @@ def test_lagkv_ranks_each_chunk_against_the_next_one():
     assert kept(layer_with(keys), method, 5) == [[0, 1, 4, 5, 6]]
 
 
+def test_lagkv_vectorised_scores_equal_a_chunk_by_chunk_loop():
+    torch.manual_seed(3)
+    keys, values = torch.randn(2, 3, 31, 4), torch.randn(2, 3, 31, 4)
+    method = Stack.parse("lagkv(sinks=2, lag=4)").evictor
+    got = method.score(observe(layer_with(keys, values), 10))
+    # the definition, one chunk at a time: chunk c (positions 2+4c .. 5+4c) against chunk c + 1
+    expected = got.clone()
+    for c in range(6):  # 29 tokens after the sinks: chunks 0..6 complete, 0..5 have a reference
+        members, ref = slice(2 + 4 * c, 6 + 4 * c), slice(6 + 4 * c, 10 + 4 * c)
+        score = 0
+        for x in (keys, values):
+            low, high = x[:, :, ref].amin(2, keepdim=True), x[:, :, ref].amax(2, keepdim=True)
+            score = score + ((x[:, :, members] - low) / (high - low)).std(-1).softmax(-1) / 2
+        expected[:, :, members] = score.argsort(-1).argsort(-1).float() / 4
+    assert torch.equal(got[:, :, :26], expected[:, :, :26])
+    assert (got[:, :, :2] == float("inf")).all() and (got[:, :, 26:] > 2).all()  # sinks; chunk 6 and the tail
+
+
 def test_lagkv_on_a_short_sequence_is_streaming():
     keys = torch.randn(1, 1, 10, 4)
     lag, streaming = Stack.parse("lagkv(sinks=2, lag=8)").evictor, Stack.parse("streaming(sinks=2)").evictor

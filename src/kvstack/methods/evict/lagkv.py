@@ -49,25 +49,44 @@ class LagKV(Method):
         # unscored: sinks first, then the newest tokens of the tail above any rank in [0, 1)
         tail = 2.0 + pos.float() / (newest.float() + 1)
         scores = torch.where(pos < self.sinks, torch.full_like(tail, float("inf")), tail)
+        n_chunks = max(int(complete.max()), 1)
+        # (b, h, t) chunk of each token; sinks and the tail go to a sentinel chunk n that is never a reference
+        ids = torch.where((chunk >= 0) & (chunk < n_chunks), chunk, torch.full_like(chunk, n_chunks))
         keys, values = obs.keys.float(), obs.values.float()
-        for c in range(max(int(complete.max()) - 1, 0)):
-            members, reference = scored & (chunk == c), valid & (chunk == c + 1)
-            if not bool(members.any()):
-                continue
-            lagged = (_lag_score(keys, members, reference) + _lag_score(values, members, reference)) / 2
-            order = lagged.masked_fill(~members, float("inf")).argsort(dim=-1, stable=True)
-            rank = order.argsort(dim=-1, stable=True).float() / self.lag  # (b, h, t): rank within the chunk
-            scores = torch.where(members, rank, scores)
-        return scores
+        lagged = (_lag_score(keys, ids, scored, valid, n_chunks) + _lag_score(values, ids, scored, valid, n_chunks)) / 2
+        rank = _rank_within(lagged, ids, scored, n_chunks) / self.lag
+        return torch.where(scored, rank, scores)
 
 
-def _lag_score(x: torch.Tensor, members: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
-    """Softmax over a chunk's tokens of the channel std after min-max normalising by the reference chunk.
+def _lag_score(x: torch.Tensor, ids: torch.Tensor, scored: torch.Tensor, valid: torch.Tensor, n: int) -> torch.Tensor:
+    """Per token, the softmax over its chunk of its channel std after min-max normalising by the next chunk.
 
-    x (b, h, t, d); members, reference (b, h, t) masks -> (b, h, t), meaningful where `members`.
+    x (b, h, t, d); ids (b, h, t) chunk index in [0, n], n the sentinel; scored, valid (b, h, t) -> (b, h, t).
     """
-    ref = reference.unsqueeze(-1)
-    low = x.masked_fill(~ref, float("inf")).amin(dim=2, keepdim=True)
-    high = x.masked_fill(~ref, float("-inf")).amax(dim=2, keepdim=True)
+    b, h, t, d = x.shape
+    index = ids.unsqueeze(-1).expand(b, h, t, d)
+    low = x.new_full((b, h, n + 1, d), float("inf")).scatter_reduce(
+        2, index, x.masked_fill(~valid.unsqueeze(-1), float("inf")), "amin"
+    )
+    high = x.new_full((b, h, n + 1, d), float("-inf")).scatter_reduce(
+        2, index, x.masked_fill(~valid.unsqueeze(-1), float("-inf")), "amax"
+    )
+    ref = (index + 1).clamp(max=n)  # the next chunk's range (only scored chunks, < n - 1, use it)
+    low, high = low.gather(2, ref), high.gather(2, ref)
     spread = ((x - low) / (high - low).clamp(min=EPS)).std(dim=-1)
-    return torch.nan_to_num(spread.masked_fill(~members, float("-inf")).softmax(dim=-1), nan=0.0)
+    spread = torch.nan_to_num(spread.masked_fill(~scored, float("-inf")), nan=float("-inf"))
+    # softmax within each chunk: subtract the chunk's max, divide by the chunk's sum
+    peak = spread.new_full((b, h, n + 1), float("-inf")).scatter_reduce(2, ids, spread, "amax")
+    e = torch.exp(spread - peak.gather(2, ids)).nan_to_num(nan=0.0)
+    total = e.new_zeros((b, h, n + 1)).scatter_add(2, ids, e)
+    return e / total.gather(2, ids).clamp(min=EPS)
+
+
+def _rank_within(values: torch.Tensor, ids: torch.Tensor, member: torch.Tensor, n: int) -> torch.Tensor:
+    """(b, h, t) rank of each member among the members of its chunk (0 = lowest value); others 0."""
+    composite = (ids.float() * 4 + values).masked_fill(~member, float("inf"))  # values lie in [0, 1]
+    order = composite.argsort(dim=-1, stable=True)
+    global_rank = order.argsort(dim=-1, stable=True)
+    counts = member.new_zeros(ids.shape[:2] + (n + 1,), dtype=torch.long).scatter_add(2, ids, member.long())
+    start = counts.cumsum(-1) - counts  # members of earlier chunks come first in the order
+    return torch.where(member, global_rank - start.gather(2, ids), torch.zeros_like(global_rank)).float()
