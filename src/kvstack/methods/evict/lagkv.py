@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -30,6 +30,7 @@ class LagKV(Method):
     paper = "LagKV: Lag-Relative Information of the KV Cache Tells Which Tokens Are Important (#20, 2504.04704)"
     sinks: int = 4
     lag: int = 128
+    every: int = field(default=16, kw_only=True)  # the paper re-scores as chunks fill, not at every token
 
     def __post_init__(self) -> None:
         super().__post_init__()
