@@ -228,6 +228,8 @@ def test_bench_on_a_task_file(tiny_folder, tmp_path):
         (["--methods", "snapvk"], "did you mean snapkv"),
         (["--budgets", "2"], "out of range"),
         (["--modes", "both"], "unknown mode"),
+        (["--methods", ","], "no methods: give --methods"),
+        (["--jobs", "0"], "--jobs must be at least 1"),
     ],
 )
 def test_bench_bad_input_is_one_line(tmp_path, args, message):

@@ -94,6 +94,8 @@ class Sweep:
     task_file: str | None = None  # a JSONL file of the user's own questions (see tasks/custom.py)
 
     def __post_init__(self) -> None:
+        if not self.methods:
+            raise UserError("no methods: give --methods, e.g. snapkv,knorm (the full cache always runs as reference)")
         if not self.tasks and self.task_file is None:
             raise UserError("no tasks: give --tasks (e.g. niah_single,vt) or --task-file F.jsonl")
         for task in self.tasks:
