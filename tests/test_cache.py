@@ -14,6 +14,9 @@ METHODS = [m for m in all_methods() if m != "full"]
 # short windows and chunks, so the tiny prompts (40-100 tokens) exercise them
 SHORT = {"snapkv": "snapkv(window_size=4, every=4)", "lagkv": "lagkv(sinks=2, lag=8)"}
 SPECS = {m: m for m in ["full", *METHODS]} | SHORT
+# allocators wrap the short snapkv unless given their own short spec
+ALLOCATORS = [m for m, cls in all_methods().items() if cls.family == "allocate"]
+SPECS |= {m: f"{m}({SHORT['snapkv']})" for m in ALLOCATORS if m not in SHORT}
 
 
 def prompt(n, seed=0):

@@ -101,7 +101,16 @@ class _Runner:
             cache_position=torch.arange(start, self.mask.shape[1], device=device),
         )
         self.last_logits = out.logits[:, -1].float()
+        if "confidence" in self.cache.needs:
+            self.cache.confidence = confidence(self.last_logits)
         return out.logits.float() if every_position else self.last_logits
+
+
+def confidence(logits: torch.Tensor) -> torch.Tensor:
+    """(b,) 1 - normalised entropy of the next-token distribution for logits (b, vocab): 1 = certain."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    entropy = -(logp.exp() * logp).sum(-1)
+    return (1.0 - entropy / torch.log(torch.tensor(float(logits.shape[-1])))).clamp(0.0, 1.0)
 
 
 def warm_up(model: Any) -> None:

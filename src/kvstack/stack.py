@@ -1,25 +1,28 @@
 """A stack: compression stages applied together under one budget, written as a spec string.
 
-`snapkv`, `streaming(sinks=4)`, `h2o(recent=0.25, every=1)`; stages are joined with `+`
-(`snapkv+kivi(bits=2)` once quantizers exist). Parsing is pure: text -> dataclasses.
+`snapkv`, `streaming(sinks=4)`, `h2o(recent=0.25, every=1)`; an allocator or a re-scorer takes
+the stage it wraps as its first argument: `pyramid(snapkv)`, `adakv(keydiff, alpha=0.1)`,
+`pyramid(adakv(snapkv))`. Stages are joined with `+` (`snapkv+kivi(bits=2)` once quantizers
+exist). Parsing is pure: text -> dataclasses.
 """
 
 from __future__ import annotations
 
 import ast
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 
 from kvstack.cache.budget import Budget
 from kvstack.errors import UserError, unknown_name
-from kvstack.methods.base import Method
+from kvstack.methods.allocate.base import Allocator
+from kvstack.methods.base import Method, Stage
 from kvstack.methods.registry import method_class
 
 
 @dataclass(frozen=True)
 class Stack:
-    """The parsed stages of a spec; at most one eviction stage for now."""
+    """The parsed stages of a spec; at most one selection stage (an evictor, maybe wrapped)."""
 
-    stages: tuple[Method, ...]
+    stages: tuple[Stage, ...]
 
     @classmethod
     def parse(cls, spec: str) -> Stack:
@@ -28,32 +31,50 @@ class Stack:
         if not text:
             raise UserError("empty method spec: give a method name such as snapkv (see `kvstack methods`)")
         stages = tuple(_parse_stage(part) for part in _split_top(text, "+"))
-        evictors = [s for s in stages if s.family in ("evict", "reference")]
+        evictors = [s for s in stages if s.family in ("evict", "reference", "allocate")]
         if len(evictors) > 1:
             names = " + ".join(s.name for s in evictors)
             raise UserError(f"'{spec}' stacks two eviction methods ({names}): keep one")
         return cls(stages)
 
     @property
-    def evictor(self) -> Method | None:
-        """The stage that decides which tokens to keep, or None for `full`."""
+    def selection(self) -> list[Stage]:
+        """The selection stage and everything it wraps, outermost first (allocators, then the scorer)."""
         for stage in self.stages:
-            if stage.compresses and stage.family == "evict":
-                return stage
+            if stage.family in ("evict", "allocate"):
+                return stage.chain()
+        return []
+
+    @property
+    def evictor(self) -> Method | None:
+        """The method whose scores decide which tokens to keep, or None for `full`."""
+        for stage in self.selection:
+            if isinstance(stage, Method):
+                return stage if stage.compresses else None
         return None
+
+    @property
+    def allocators(self) -> list[Allocator]:
+        """The budget allocators around the evictor, outermost first."""
+        return [s for s in self.selection if isinstance(s, Allocator)]
+
+    @property
+    def whole_prompt(self) -> bool:
+        """True when an allocator needs every layer's view of the prompt before compressing."""
+        return any(a.whole_prompt for a in self.allocators)
 
     @property
     def needs(self) -> frozenset[str]:
         """Statistics the attention pass must record for this stack."""
-        return frozenset().union(*(s.needs for s in self.stages))
+        return frozenset().union(*(part.needs for s in self.stages for part in s.chain()))
 
     @property
     def query_window(self) -> int:
-        return max((s.query_window for s in self.stages), default=0)
+        return max((getattr(s, "query_window", 0) for s in self.stages), default=0)
 
     @property
     def min_tokens(self) -> int:
-        return max((s.min_tokens for s in self.stages if s.compresses), default=1)
+        return max((s.min_tokens for s in self.stages if getattr(s, "compresses", False)), default=1)
 
     def check_budget(self, budget: Budget) -> None:
         """One-line error when a token budget is below what this stack needs per head."""
@@ -85,7 +106,7 @@ def _split_top(text: str, sep: str) -> list[str]:
     return [*parts, cur]
 
 
-def _parse_stage(text: str) -> Method:
+def _parse_stage(text: str) -> Stage:
     text = text.strip()
     name, _, rest = text.partition("(")
     name = name.strip().lower()
@@ -98,11 +119,17 @@ def _parse_stage(text: str) -> Method:
             raise UserError(f"stage '{text}' must end with ')'")
         body = rest[:-1].strip()
         valid = [f.name for f in fields(cls)]
-        for item in _split_top(body, ",") if body else []:
+        for i, item in enumerate(_split_top(body, ",") if body else []):
             key, eq, raw = item.partition("=")
             key = key.strip()
-            if not eq:
+            if not eq or "(" in key:
+                if i == 0 and "scorer" in valid:  # the wrapped stage: pyramid(snapkv)
+                    kwargs["scorer"] = _parse_stage(item)
+                    continue
                 raise UserError(f"{name}: parameters are written key=value, got '{item.strip()}'")
+            if key == "scorer":
+                kwargs["scorer"] = _parse_stage(raw)
+                continue
             if key not in valid:
                 raise unknown_name(f"parameter of {name}", key, valid)
             try:
@@ -115,11 +142,14 @@ def _parse_stage(text: str) -> Method:
         raise UserError(str(err)) from None
 
 
-def _format_stage(stage: Method, changed_only: bool = False) -> str:
+def _format_stage(stage: Stage, changed_only: bool = False) -> str:
     params = stage.params()
     if changed_only:
-        defaults = {f.name: f.default for f in fields(stage)}
-        params = {k: v for k, v in params.items() if v != defaults[k]}
+        defaults = {f.name: f.default if f.default_factory is MISSING else f.default_factory() for f in fields(stage)}
+        params = {k: v for k, v in params.items() if v != defaults[k] or k == "scorer"}
     if not params:
         return stage.name
-    return f"{stage.name}({', '.join(f'{k}={v!r}' for k, v in params.items())})"
+    inner = params.pop("scorer", None)
+    args = [_format_stage(inner, changed_only)] if isinstance(inner, Stage) else []
+    args += [f"{k}={v!r}" for k, v in params.items()]
+    return f"{stage.name}({', '.join(args)})"

@@ -21,6 +21,7 @@ from kvstack.cache.budget import Budget, tokens_to_keep
 from kvstack.cache.layer import CompressedLayer, SequenceState
 from kvstack.methods.base import Observation, recent_mask
 from kvstack.methods.select import select
+from kvstack.models.rope import layer_frequencies
 from kvstack.stack import Stack
 from kvstack.timing import Stopwatch
 
@@ -69,6 +70,8 @@ class KVCache(Cache):
             )
             for i in range(n_layers)
         ]
+        for layer, inv_freq in zip(layers, layer_frequencies(model_or_config, layer_types, head_dim), strict=True):
+            layer.inv_freq = inv_freq
         super().__init__(layers=layers)
         self.layers: list[CompressedLayer] = layers
         self.stack = stack if isinstance(stack, Stack) else Stack.parse(stack)
@@ -78,6 +81,10 @@ class KVCache(Cache):
         self._source = model_or_config
         self.compress_clock = Stopwatch()  # statistics + scoring + gathering, prefill and decode
         self.compressions = 0
+        self.signals: dict[str, dict[int, torch.Tensor]] = {}  # per-layer measurements for allocators
+        self.weights: torch.Tensor | None = None  # (L, b, h) budget weights decided by the allocators
+        self.confidence: torch.Tensor | None = None  # (b,) set by the decoding loop when a method asks
+        self._allocation: tuple[int, torch.Tensor] | None = None  # (seen, (L, b, h) keep) memo
 
     # ---- the transformers Cache API ------------------------------------------------------
     def update(
@@ -93,6 +100,8 @@ class KVCache(Cache):
         if slots is None:
             slots = torch.arange(layer.seen, layer.seen + key_states.shape[2], device=key_states.device)
         layer.append(key_states, value_states, slots)
+        if key_states.shape[2] > 1:
+            self.seq.prompt_end = max(self.seq.prompt_end, layer.seen)
         view = LayerView(layer, self, slots)
         return view, view
 
@@ -175,58 +184,165 @@ class KVCache(Cache):
             )
         new = KVCache(self._source, stack, budget)
         new.seq = self.seq.copy()
+        new.signals = {name: dict(per_layer) for name, per_layer in self.signals.items()}
+        new.confidence = self.confidence
         new.layers[:] = [layer.copy(new.seq, stack.needs, stack.query_window) for layer in self.layers]
         for layer in new.layers:
             if layer.is_initialized:
                 new.maintain(layer, decoding=False)
         return new
 
-    def keep_allowed(self, layer: CompressedLayer) -> torch.Tensor:
-        """(b, h) tokens each head may hold now under the budget (exempt tokens come on top)."""
-        b = layer.batch
-        n_full = self.seq.real_counts(layer.seen, b, device=layer.keys[0].device)
-        n_exempt = torch.zeros_like(n_full)
-        for start, end in self.seq.exempt:
-            if min(end, layer.seen) > start:
-                n_exempt += self.seq.real_counts(min(end, layer.seen), b, start, device=n_full.device)
+    def uniform(
+        self, layer: CompressedLayer, seen: int | None = None, like: CompressedLayer | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(base, room), both (b,): tokens each head keeps under a uniform split of the budget, and
+        the evictable tokens a full cache would hold (exempt tokens excluded), after `seen` slots.
+        `like` lends batch, device and token bytes to a layer the prompt has not reached yet."""
+        ref = like or layer
+        b, seen = ref.batch, layer.seen if seen is None else seen
+        n_full = self.seq.real_counts(seen, b, device=ref.keys[0].device)
+        n_exempt = self.n_exempt(ref, seen)
         if layer.sliding_window:  # a full sliding layer holds its last window - 1 real tokens
             n_full = torch.clamp(n_full, max=layer.sliding_window - 1)
             n_exempt = torch.minimum(n_exempt, n_full)
-        full_bytes = layer.token_bytes(explicit_slots=False)
-        keep = tokens_to_keep(self.budget, n_full - n_exempt, full_bytes, layer.token_bytes())
-        keep = torch.maximum(keep, torch.clamp(n_full - n_exempt, max=self.stack.min_tokens))
-        return (keep + n_exempt).unsqueeze(1).expand(b, layer.n_kv_heads)
+        room = n_full - n_exempt
+        full_bytes = ref.token_bytes(explicit_slots=False)
+        return tokens_to_keep(self.budget, room, full_bytes, ref.token_bytes()), room
+
+    def n_exempt(self, layer: CompressedLayer, seen: int | None = None) -> torch.Tensor:
+        """(b,) exempt real tokens among the first `seen` slots."""
+        seen = layer.seen if seen is None else seen
+        n = torch.zeros(layer.batch, dtype=torch.long, device=layer.keys[0].device)
+        for start, end in self.seq.exempt:
+            if min(end, seen) > start:
+                n += self.seq.real_counts(min(end, seen), layer.batch, start, device=n.device)
+        return n
+
+    def keep_allowed(self, layer: CompressedLayer) -> torch.Tensor:
+        """(b, h) tokens each head may hold now under the budget (exempt tokens come on top).
+
+        Uniform across layers and heads, unless the stack's allocators weighed them: then the
+        same total is shared by `distribute` over every layer and head.
+        """
+        b, h = layer.batch, layer.n_kv_heads
+        base, room = self.uniform(layer)
+        keep = base.unsqueeze(1).expand(b, h)
+        if self.stack.allocators:
+            weights = self.allocation_weights()
+            if weights is not None:
+                keep = self.allocation(layer.seen, weights)[layer.layer_idx]
+        keep = torch.maximum(keep, torch.clamp(room, max=self.stack.min_tokens).unsqueeze(1))
+        n_exempt = self.n_exempt(layer)
+        if layer.sliding_window:
+            n_exempt = torch.minimum(n_exempt, self.uniform(layer)[1] + n_exempt)
+        return keep + n_exempt.unsqueeze(1)
+
+    def allocation_weights(self) -> torch.Tensor | None:
+        """(L, b, h) the allocators' weights: decided after the prompt (whole-prompt allocators)
+        or on first use (a priori ones such as pyramid); None while not yet decided."""
+        if self.weights is None and not self.stack.whole_prompt:
+            self.weights = self.weigh()
+        return self.weights
+
+    def weigh(self) -> torch.Tensor | None:
+        """Ask every allocator of the stack for weights over all layers; their product."""
+        from kvstack.methods.allocate.base import Plan
+
+        base, room = self._uniform_all(max(layer.seen for layer in self.layers))
+        plan = Plan(self, base[..., 0], room[..., 0])
+        out = None
+        for allocator in self.stack.allocators:
+            w = allocator.weights(plan)
+            if w is not None:
+                out = w.double() if out is None else out * w.double()
+        return out
+
+    def _uniform_all(self, seen: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(base, room), both (L, b, h): the uniform split of every layer after `seen` slots."""
+        like = next(layer for layer in self.layers if layer.is_initialized)
+        pairs = [self.uniform(layer, seen, like) for layer in self.layers]
+        h = self.layers[0].n_kv_heads
+        base = torch.stack([p[0] for p in pairs]).unsqueeze(-1).expand(-1, -1, h)
+        room = torch.stack([p[1] for p in pairs]).unsqueeze(-1).expand(-1, -1, h)
+        return base, room
+
+    def allocation(self, seen: int, weights: torch.Tensor) -> torch.Tensor:
+        """(L, b, h) tokens per layer and head after `seen` slots, shared by the weights (memoised
+        per step: every layer of a step reads the same allocation)."""
+        from kvstack.methods.allocate.base import distribute
+
+        if self._allocation is None or self._allocation[0] != seen:
+            base, room = self._uniform_all(seen)
+            least = self.stack.min_tokens
+            self._allocation = (seen, distribute(weights.to(base.device), base, room, least))
+        return self._allocation[1]
 
     def maintain(self, layer: CompressedLayer, decoding: bool) -> None:
-        """Trim the sliding window, then evict down to the budget if a head exceeds it."""
+        """Trim the sliding window, then evict down to the budget if a head exceeds it.
+
+        With a whole-prompt allocator, a prompt is compressed once it has reached the last layer:
+        the allocator weighs all layers, then every layer is compressed to its share.
+        """
         layer.trim_window()
         method = self.stack.evictor
         if method is None or self.budget.is_full:
             return
-        keep = self.keep_allowed(layer)
+        if self.stack.whole_prompt and not decoding:
+            if layer.layer_idx < len(self.layers) - 1:
+                return
+            started = self.compress_clock.start(layer.keys[0].device)
+            self.weights, self._allocation = self.weigh(), None
+            self.compress_clock.stop(started)
+            for each in self.layers:
+                if each.is_initialized:
+                    self._maintain(each, decoding)
+            return
+        self._maintain(layer, decoding)
+
+    def _maintain(self, layer: CompressedLayer, decoding: bool) -> None:
+        method = self.stack.evictor
+        assert method is not None
+        keep = method.limit(self.keep_allowed(layer), decoding, self.confidence)
         counts = layer.counts()
         over = counts > keep  # (b, h); heads within budget keep everything (batch-invariant)
         if not bool(over.any()):
             return
-        if decoding and method.every > 1:  # evict ahead so the next `every - 1` steps fit
-            keep = torch.maximum(keep - (method.every - 1), torch.clamp(counts, max=self.stack.min_tokens))
-        self.compress_layer(layer, torch.where(over, keep, counts), decoding)
+        self.compress_layer(layer, keep, decoding)
+
+    def scores(self, obs: Observation) -> torch.Tensor:
+        """(b, h, t) the evictor's scores, +inf on exempt tokens (never evicted)."""
+        method = self.stack.evictor
+        assert method is not None
+        scores = method.score(obs)
+        if self.seq.exempt:
+            scores = torch.where(self.seq.is_exempt(obs.slots), torch.full_like(scores, float("inf")), scores)
+        return scores
 
     def compress_layer(self, layer: CompressedLayer, keep: torch.Tensor, decoding: bool = False) -> None:
-        """Ask the stack's evictor for scores and keep `keep[b, h]` tokens per head.
+        """Ask the stack's evictor for scores and keep about `keep[b, h]` tokens per head.
 
-        Exempt tokens (a query-agnostic question) are never evicted; while decoding, neither are
-        the evictor's `decode_window` newest tokens.
+        Allocators may re-split the layer's total among its heads from the scores. Exempt tokens
+        (a query-agnostic question) are never evicted; while decoding, neither are the evictor's
+        `decode_window` newest tokens. Heads within their share keep everything.
         """
         method = self.stack.evictor
         assert method is not None
         start = self.compress_clock.start(layer.keys[0].device if layer.keys else None)
-        obs = Observation(layer, keep, self.seq.token_index())
-        scores = method.score(obs)
-        protected = self.seq.is_exempt(obs.slots) if self.seq.exempt else None
+        obs = Observation(layer, keep, self.seq.token_index(), decoding, self.confidence)
+        scores = self.scores(obs)
+        protected = None
         if decoding and method.decode_window:
-            recent = recent_mask(obs, method.decode_window)
-            protected = recent if protected is None else protected | recent
+            protected = recent_mask(obs, method.decode_window)
+            scores = torch.where(protected, torch.full_like(scores, float("inf")), scores)
+        for allocator in self.stack.allocators:
+            keep = allocator.split(scores, obs.valid, keep)
+        keep = torch.maximum(keep, torch.clamp(obs.valid.sum(-1), max=self.stack.min_tokens))
+        counts = obs.valid.sum(-1)
+        over = counts > keep  # heads within their share keep everything (batch-invariant)
+        if decoding and method.every > 1:  # evict ahead so the next `every - 1` steps fit
+            keep = torch.maximum(keep - (method.every - 1), torch.clamp(counts, max=self.stack.min_tokens))
+        keep = torch.where(over, keep, counts)
+        obs.keep = keep
         layer.apply(select(scores, obs.valid, obs.slots, keep, protected))
         self.compress_clock.stop(start)
         self.compressions += 1

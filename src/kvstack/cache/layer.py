@@ -28,7 +28,7 @@ def storage_bytes(tensors: list[torch.Tensor]) -> int:
 
 @dataclass
 class SequenceState:
-    """What all layers share about the sequences: padding and which slots are exempt.
+    """What all layers share about the sequences: padding, which slots are exempt, where the prompt ends.
 
     padding: (b, slots) True for real tokens, None when nothing is padded; exempt: slot ranges
     [start, end) appended uncompressed (e.g. a question after a query-agnostic compression).
@@ -36,6 +36,7 @@ class SequenceState:
 
     padding: torch.Tensor | None = None
     exempt: list[tuple[int, int]] = field(default_factory=list)
+    prompt_end: int = 0  # slots before this arrived in multi-token (prefill) chunks
 
     def real_counts(self, seen: int, batch: int, since: int = 0, device: torch.device | None = None) -> torch.Tensor:
         """(b,) real tokens among slots [since, seen)."""
@@ -51,7 +52,7 @@ class SequenceState:
 
     def copy(self) -> SequenceState:
         """An independent copy (tensors are replaced, never written in place, so they are shared)."""
-        return SequenceState(self.padding, list(self.exempt))
+        return SequenceState(self.padding, list(self.exempt), self.prompt_end)
 
     def is_exempt(self, slots: torch.Tensor) -> torch.Tensor:
         """Bool tensor like slots: True for slots inside an exempt range."""
@@ -87,6 +88,7 @@ class CompressedLayer:
         self.queries: torch.Tensor | None = None  # (b, h*g, w, d)
         self.query_slots: torch.Tensor | None = None  # (w,)
         self.stats: dict[str, list[torch.Tensor]] = {}  # name -> per head (b, t_h) float32
+        self.inv_freq: torch.Tensor | None = None  # (d/2,) RoPE inverse frequencies, when known
 
     # ---- reading -------------------------------------------------------------------------
     @property

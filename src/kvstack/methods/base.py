@@ -1,8 +1,10 @@
 """The method interface: a method looks at one layer's cache and decides, the cache executes.
 
-An eviction method is a small dataclass whose fields are its hyper-parameters and whose
-`score` maps an `Observation` of one layer to scores (b, h_kv, t): higher means keep.
-Which tokens survive is then a pure function of the scores and the budget (`select`).
+Every stage of a stack is a small dataclass whose fields are its hyper-parameters (`Stage`).
+An eviction method (`Method`) maps an `Observation` of one layer to scores (b, h_kv, t):
+higher means keep. Which tokens survive is then a pure function of the scores and the budget
+(`select`). A stage may wrap another one (its `scorer` field): `vatp(h2o)` re-weights h2o's
+scores, `pyramid(snapkv)` decides how many tokens each layer gives snapkv to keep.
 """
 
 from __future__ import annotations
@@ -24,7 +26,14 @@ class Observation:
     longest head), w observed queries, d head dim.
     """
 
-    def __init__(self, layer: CompressedLayer, keep: torch.Tensor, token_index: torch.Tensor | None) -> None:
+    def __init__(
+        self,
+        layer: CompressedLayer,
+        keep: torch.Tensor,
+        token_index: torch.Tensor | None,
+        decoding: bool = False,
+        confidence: torch.Tensor | None = None,
+    ) -> None:
         self._layer = layer
         self.keep = keep  # (b, h) tokens each head will keep
         self._token_index = token_index  # (b, slots) index of each slot among real tokens, or None
@@ -32,6 +41,11 @@ class Observation:
         self.n_layers = layer.n_layers
         self.groups = layer.groups
         self.scaling = layer.scaling
+        self.decoding = decoding  # True when compressing between decoding steps
+        self.seen = layer.seen  # slots appended so far (the next token's slot)
+        self.prompt_end = layer.seq.prompt_end  # slots below this came with the prompt (prefill)
+        self.inv_freq = layer.inv_freq  # (d/2,) RoPE inverse frequencies, or None
+        self.confidence = confidence  # (b,) the model's confidence in its last prediction, or None
 
     @cached_property
     def slots(self) -> torch.Tensor:
@@ -87,13 +101,9 @@ class Observation:
 
 
 @dataclass
-class Method:
-    """Base of every compression method: hyper-parameters are dataclass fields.
+class Stage:
+    """Base of every stage of a stack: a name, a family, a paper, hyper-parameters as fields.
 
-    `every` is how often it compresses while decoding (1 = every step); `decode_window` how many
-    of the newest tokens are never evicted while decoding (inside the budget): without it a
-    scorer written for the prompt, such as knorm, drops the tokens just generated and the model
-    loses its place mid-answer (measured: knorm at 0.5 on niah_single 2k went from 0.3 to 0.7).
     `needs` names the statistics the attention pass must record ("attention_sum", "last_attention").
     """
 
@@ -101,6 +111,35 @@ class Method:
     family: ClassVar[str] = ""
     paper: ClassVar[str] = ""
     needs: ClassVar[frozenset[str]] = frozenset()
+
+    def params(self) -> dict[str, Any]:
+        """Hyper-parameters and their values."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @property
+    def inner(self) -> Stage | None:
+        """The stage this one wraps (its `scorer`), or None."""
+        inner = getattr(self, "scorer", None)
+        return inner if isinstance(inner, Stage) else None
+
+    def chain(self) -> list[Stage]:
+        """This stage and every stage it wraps, outermost first."""
+        out: list[Stage] = [self]
+        while out[-1].inner is not None:
+            out.append(out[-1].inner)  # type: ignore[arg-type]
+        return out
+
+
+@dataclass
+class Method(Stage):
+    """Base of every eviction method: hyper-parameters are dataclass fields.
+
+    `every` is how often it compresses while decoding (1 = every step); `decode_window` how many
+    of the newest tokens are never evicted while decoding (inside the budget): without it a
+    scorer written for the prompt, such as knorm, drops the tokens just generated and the model
+    loses its place mid-answer (measured: knorm at 0.5 on niah_single 2k went from 0.3 to 0.7).
+    """
+
     every: int = field(default=1, kw_only=True)
     decode_window: int = field(default=16, kw_only=True)
 
@@ -125,13 +164,14 @@ class Method:
         """False for methods that never evict (`full`)."""
         return True
 
-    def params(self) -> dict[str, Any]:
-        """Hyper-parameters and their values."""
-        return {f.name: getattr(self, f.name) for f in fields(self)}
-
     def score(self, obs: Observation) -> torch.Tensor:
         """(b, h, t) importance of each held token; higher is kept first."""
         raise NotImplementedError
+
+    def limit(self, keep: torch.Tensor, decoding: bool, confidence: torch.Tensor | None) -> torch.Tensor:
+        """(b, h) tokens to keep now, at most the budget's `keep` (b, h): a method may hold fewer,
+        e.g. when the model is confident (CONF-KV). confidence: (b,) in [0, 1] or None."""
+        return keep
 
 
 def recent_mask(obs: Observation, window: int | torch.Tensor) -> torch.Tensor:

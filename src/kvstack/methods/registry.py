@@ -3,18 +3,18 @@
 from __future__ import annotations
 
 from kvstack.errors import unknown_name
-from kvstack.methods.base import Method
+from kvstack.methods.base import Stage
 
-METHODS: dict[str, type[Method]] = {}
+METHODS: dict[str, type[Stage]] = {}
 
 
-def register(cls: type[Method]) -> type[Method]:
+def register(cls: type[Stage]) -> type[Stage]:
     """Class decorator: make a method available by its `name` in specs and the CLI."""
     METHODS[cls.name] = cls
     return cls
 
 
-def method_class(name: str) -> type[Method]:
+def method_class(name: str) -> type[Stage]:
     """The class registered under `name`, or a one-line error naming the closest ones."""
     _load_all()
     if name not in METHODS:
@@ -22,11 +22,12 @@ def method_class(name: str) -> type[Method]:
     return METHODS[name]
 
 
-def all_methods() -> dict[str, type[Method]]:
+def all_methods() -> dict[str, type[Stage]]:
     """Every registered method, by name."""
     _load_all()
     return dict(sorted(METHODS.items()))
 
 
 def _load_all() -> None:
+    import kvstack.methods.allocate  # noqa: F401  (registers the budget allocators)
     import kvstack.methods.evict  # noqa: F401  (registers the eviction family)

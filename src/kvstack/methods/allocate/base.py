@@ -1,0 +1,129 @@
+"""Budget allocators: how many tokens each layer and head keeps, around any scorer.
+
+An allocator wraps a scorer (`pyramid(snapkv)`, `adakv(keydiff)`) and decides budgets, never
+tokens. Its decision is plain data: `weights` (L, b, h), each layer's and head's share of the
+budget relative to a uniform split, turned into token counts by `distribute` (a pure function
+that holds the total); and `split`, a re-division of one layer's total among its heads from
+the scorer's scores. The cache executes both and the scorer picks the tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+from kvstack.methods.base import Method, Observation, Stage
+
+if TYPE_CHECKING:
+    from kvstack.cache.cache import KVCache
+
+
+def default_scorer(name: str = "snapkv") -> Method:
+    """A fresh instance of a registered scorer, for an allocator's default `scorer` field."""
+    from kvstack.methods.registry import method_class
+
+    return method_class(name)()  # type: ignore[return-value]
+
+
+class Plan:
+    """What a whole-prompt allocator sees after the prompt went through every layer.
+
+    base: (L, b) tokens each head of each layer would keep under a uniform split; room: (L, b)
+    tokens it holds that may be evicted; `observation(l)` and `scores(l)` (b, h, t) are built on
+    first access; `signals` holds per-layer measurements recorded during the forward pass.
+    """
+
+    def __init__(self, cache: KVCache, base: torch.Tensor, room: torch.Tensor) -> None:
+        self._cache = cache
+        self.base, self.room = base, room
+        self.layers = cache.layers
+        self.n_layers = len(cache.layers)
+        self.n_heads = cache.layers[0].n_kv_heads
+        self.signals = cache.signals
+        self._scores: dict[int, torch.Tensor] = {}
+
+    def observation(self, layer_idx: int) -> Observation:
+        layer = self.layers[layer_idx]
+        keep = self.base[layer_idx].unsqueeze(1).expand(-1, layer.n_kv_heads)
+        return Observation(layer, keep, self._cache.seq.token_index())
+
+    def scores(self, layer_idx: int) -> torch.Tensor:
+        """(b, h, t) the stack's scorer on layer `layer_idx`, exempt tokens at +inf."""
+        if layer_idx not in self._scores:
+            self._scores[layer_idx] = self._cache.scores(self.observation(layer_idx))
+        return self._scores[layer_idx]
+
+    @cached_property
+    def shape(self) -> tuple[int, int, int]:
+        """(L, b, h)."""
+        return self.n_layers, self.base.shape[1], self.n_heads
+
+
+@dataclass
+class Allocator(Stage):
+    """Base of the budget allocators: `scorer` picks tokens inside the budgets this decides.
+
+    `whole_prompt`: the weights need every layer's view of the prompt, so the cache compresses
+    once the prompt has gone through the last layer (peak memory is then the full prompt's).
+    """
+
+    family: ClassVar[str] = "allocate"
+    whole_prompt: ClassVar[bool] = False
+    scorer: Stage = field(default_factory=default_scorer)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.scorer, Stage) or self.scorer.family not in ("evict", "allocate"):
+            raise ValueError(f"{self.name}: scorer must be an eviction method such as snapkv, got {self.scorer!r}")
+
+    @property
+    def query_window(self) -> int:
+        return self.scorer.query_window  # type: ignore[attr-defined]
+
+    @property
+    def min_tokens(self) -> int:
+        return self.scorer.min_tokens  # type: ignore[attr-defined]
+
+    @property
+    def compresses(self) -> bool:
+        return True
+
+    def weights(self, plan: Plan) -> torch.Tensor | None:
+        """(L, b, h) budget weights relative to a uniform split (1 = uniform), or None."""
+        return None
+
+    def split(self, scores: torch.Tensor, valid: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """(b, h) tokens per head from one layer's keep (b, h) and scores (b, h, t); default: as given."""
+        return keep
+
+
+def distribute(
+    weights: torch.Tensor, base: torch.Tensor, room: torch.Tensor, least: torch.Tensor | int = 0
+) -> torch.Tensor:
+    """(L, b, h) token counts: the total of `base` per sequence, shared in proportion to weights x base.
+
+    weights, base, room: (L, b, h). Every head first gets `least` tokens (what its scorer needs,
+    capped by its room); no head gets more than its `room` (what it holds), and what a capped
+    head cannot use is shared again among the others (water-filling). The total kept equals the
+    uniform total whenever the heads can hold it, and never exceeds it.
+    """
+    room = room.double()
+    floor = torch.minimum(torch.as_tensor(least, dtype=torch.float64, device=room.device).expand_as(room), room)
+    room = room - floor
+    want = weights.double().clamp(min=0) * base.double()
+    total = (base.double().sum(dim=(0, 2)) - floor.sum(dim=(0, 2))).clamp(min=0)  # (b,)
+    capped = torch.zeros_like(want, dtype=torch.bool)
+    alloc = torch.zeros_like(want)
+    for _ in range(want.shape[0] * want.shape[2] + 1):
+        left = total - torch.where(capped, room, torch.zeros_like(room)).sum(dim=(0, 2))
+        free_want = torch.where(capped, torch.zeros_like(want), want)
+        wanted = free_want.sum(dim=(0, 2))
+        scale = torch.where(wanted > 0, left / torch.where(wanted > 0, wanted, torch.ones_like(wanted)), wanted)
+        alloc = torch.where(capped, room, free_want * scale[None, :, None])
+        newly = ~capped & (alloc > room)
+        if not bool(newly.any()):
+            break
+        capped |= newly
+    return (floor + torch.minimum(torch.floor(alloc + 1e-9), room)).long()
