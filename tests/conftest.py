@@ -15,6 +15,15 @@ TINY = {"llama": tiny_llama, "gemma3": tiny_gemma3}
 DEVICE = os.environ.get("KVSTACK_TEST_DEVICE", "cpu")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def private_calibrations(tmp_path_factory):
+    """Head calibrations of the tiny models go to a temporary folder, never the user's cache."""
+    folder = tmp_path_factory.mktemp("kvstack-cache")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("KVSTACK_CALIBRATION", str(folder))
+        yield
+
+
 @pytest.fixture(scope="session", params=list(TINY))
 def tiny(request):
     """A tiny random model (float32, kvstack attention), once per architecture."""

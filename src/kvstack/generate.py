@@ -76,11 +76,12 @@ class _Runner:
         self.model, self.cache = model, cache
         self.mask: torch.Tensor | None = None
         self.last_logits: torch.Tensor | None = None
+        self.rows: list[list[int]] = []  # each sequence's real tokens so far (KVzip re-reads them)
 
     def fork(self, stack: Stack, budget: Budget) -> _Runner:
         """A runner over a compressed copy of this runner's cache, at the same point of the sequence."""
         runner = _Runner(self.model, self.cache.fork(stack, budget))
-        runner.mask, runner.last_logits = self.mask, self.last_logits
+        runner.mask, runner.last_logits, runner.rows = self.mask, self.last_logits, self.rows
         return runner
 
     @torch.inference_mode()
@@ -101,6 +102,9 @@ class _Runner:
             cache_position=torch.arange(start, self.mask.shape[1], device=device),
         )
         self.last_logits = out.logits[:, -1].float()
+        self.rows = [r + ids[i][chunk_mask[i].bool()].tolist() for i, r in enumerate(self.rows or [[]] * len(ids))]
+        if ids.shape[1] > 1 and self.cache.waiting:
+            _reread(self, self.rows)
         if "confidence" in self.cache.needs:
             self.cache.confidence = confidence(self.last_logits)
         return out.logits.float() if every_position else self.last_logits
@@ -197,6 +201,8 @@ def generate_forks(
     prefill_s = now(model.device) - start - source.cache.compress_clock.seconds
     for stack, budget in stacks:
         runner = source.fork(stack, budget)
+        if "reconstruction" in stack.needs:  # the shared re-reading pass is this method's work
+            runner.cache.compress_clock.add(source.cache.reread_s)
         logits = _ask(runner, prompts, pad_id)
         yield _finish(runner, logits, prefill_s, max_new_tokens, eos_ids or set(), query_agnostic=True)
 
@@ -219,6 +225,8 @@ def fidelity_forks(
     targets = follow[0, 1:].to(reference.device)
     for stack, budget in stacks:
         runner = source.fork(stack, budget)
+        if "reconstruction" in stack.needs:
+            runner.cache.compress_clock.add(source.cache.reread_s)
         kv_bytes, kv_full = runner.cache.nbytes(), runner.cache.full_nbytes()
         logp = torch.log_softmax(runner.forward(follow, ones, every_position=True)[0][:-1], -1)
         yield {
@@ -241,6 +249,40 @@ def _observing_runner(model: Any, stacks: list[tuple[Stack, Budget]]) -> _Runner
     needs = frozenset().union(*(s.needs for s, _ in stacks))
     window = max((s.query_window for s, _ in stacks), default=0)
     return _Runner(model, KVCache(model, "full", 1.0, observe=needs, query_window=window))
+
+
+def _reread(runner: _Runner, rows: list[list[int]], pad_id: int = 0) -> float:
+    """KVzip's pass, run by `_Runner.forward` after a prompt when the cache waits for it:
+    teacher-force "repeat the context" on forks of the prompt's cache, record the most attention
+    each prompt token gets from the reconstruction, then compress. Seconds spent, billed to the
+    cache's compression clock and kept as `cache.reread_s` (forks of a shared prefill add it)."""
+    cache = runner.cache
+    from kvstack.methods.evict.kvzip import KVzip, reconstruction_chunks
+
+    device = runner.model.device
+    started = now(device)
+    method = next((s for s in cache.stack.selection if isinstance(s, KVzip)), KVzip())
+    repeat, part = getattr(runner.model, "_kvstack_repeat_ids", ([], []))
+    chunks = [reconstruction_chunks(row, method.chunk_size, repeat, part) for row in rows]
+    held = [layer.head_len(0) for layer in cache.layers]  # a full cache: every head holds the prompt
+    scores = [
+        [torch.zeros(layer.batch, held[i], device=device) for _ in range(layer.n_kv_heads)]
+        for i, layer in enumerate(cache.layers)
+    ]
+    for c in range(max(len(ch) for ch in chunks)):
+        fork = runner.fork(Stack.parse("full"), Budget.parse(1.0))
+        fork.cache.extra_needs = frozenset({"max_attention"})
+        fork.forward(*_left_pad([ch[c] if c < len(ch) else [] for ch in chunks], pad_id))
+        for i, layer in enumerate(fork.cache.layers):
+            for h, most in enumerate(layer.stats["max_attention"]):
+                scores[i][h] = torch.maximum(scores[i][h], most[:, : held[i]])
+    for layer, per_head in zip(cache.layers, scores, strict=True):
+        layer.stats["reconstruction"] = per_head
+    seconds = now(device) - started
+    cache.compress_clock.add(seconds)
+    cache.reread_s += seconds
+    cache.compress_all()
+    return seconds
 
 
 def _ask(runner: _Runner, prompts: list[Prompt], pad_id: int) -> torch.Tensor | None:

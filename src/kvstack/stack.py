@@ -54,6 +54,26 @@ class Stack:
         return None
 
     @property
+    def cadence(self) -> Method | None:
+        """The method whose `every` and `decode_window` the cache follows while decoding: the
+        evictor, or for a re-scorer such as `graphkv(snapkv)` the scorer it wraps (so it
+        re-scores as rarely as snapkv does)."""
+        method = self.evictor
+        while method is not None and method.cadence_from_inner and isinstance(method.inner, Method):
+            method = method.inner
+        return method
+
+    @property
+    def every(self) -> int:
+        """Decoding steps between compressions."""
+        return self.cadence.every if self.cadence is not None else 1
+
+    @property
+    def decode_window(self) -> int:
+        """Newest tokens never evicted while decoding."""
+        return self.cadence.decode_window if self.cadence is not None else 0
+
+    @property
     def allocators(self) -> list[Allocator]:
         """The budget allocators around the evictor, outermost first."""
         return [s for s in self.selection if isinstance(s, Allocator)]

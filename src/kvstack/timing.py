@@ -39,6 +39,10 @@ class Stopwatch:
         end.record()
         self._pending.append((token, end))
 
+    def add(self, seconds: float) -> None:
+        """Bill time measured elsewhere (e.g. a pass shared by several caches)."""
+        self._seconds += seconds
+
     @property
     def seconds(self) -> float:
         if self._pending:

@@ -76,15 +76,26 @@ class KVCache(Cache):
         self.layers: list[CompressedLayer] = layers
         self.stack = stack if isinstance(stack, Stack) else Stack.parse(stack)
         self.budget = Budget.parse(budget)
+        self.calibration: dict[str, torch.Tensor] = {}  # allocator kind -> table measured on the model
+        for allocator in self.stack.allocators:  # head allocators calibrate on the model once (kvstack.calibrate)
+            table = allocator.prepare(model_or_config)
+            if table is not None:
+                self.calibration[allocator.kind] = table
         # recorded beyond what the stack needs, so that `fork` can serve other stacks
         self.extra_needs, self.extra_window = frozenset(observe), query_window
         self._source = model_or_config
         self.compress_clock = Stopwatch()  # statistics + scoring + gathering, prefill and decode
         self.compressions = 0
         self.signals: dict[str, dict[int, torch.Tensor]] = {}  # per-layer measurements for allocators
+        self.pending_signals: set[int] = set()  # layers whose forward hooks owe a signal (cache/hidden.py)
         self.weights: torch.Tensor | None = None  # (L, b, h) budget weights decided by the allocators
         self.confidence: torch.Tensor | None = None  # (b,) set by the decoding loop when a method asks
+        self.reread_s = 0.0  # seconds of KVzip's re-reading pass over the prompt
         self._allocation: tuple[int, torch.Tensor] | None = None  # (seen, (L, b, h) keep) memo
+        if "hidden_cosine" in self.needs and hasattr(model_or_config, "config"):
+            from kvstack.cache.hidden import install
+
+            install(model_or_config)  # hooks that measure the hidden states (SqueezeAttention)
 
     # ---- the transformers Cache API ------------------------------------------------------
     def update(
@@ -281,30 +292,50 @@ class KVCache(Cache):
         """Trim the sliding window, then evict down to the budget if a head exceeds it.
 
         With a whole-prompt allocator, a prompt is compressed once it has reached the last layer:
-        the allocator weighs all layers, then every layer is compressed to its share.
+        the allocator weighs all layers, then every layer is compressed to its share. A method
+        that scores by re-reading the prompt (KVzip) waits for `compress_all` after that pass.
         """
         layer.trim_window()
         method = self.stack.evictor
         if method is None or self.budget.is_full:
             return
+        if not decoding and self.waiting:
+            return
         if self.stack.whole_prompt and not decoding:
-            if layer.layer_idx < len(self.layers) - 1:
-                return
-            started = self.compress_clock.start(layer.keys[0].device)
-            self.weights, self._allocation = self.weigh(), None
-            self.compress_clock.stop(started)
-            for each in self.layers:
-                if each.is_initialized:
-                    self._maintain(each, decoding)
+            if layer.layer_idx == len(self.layers) - 1 and not self.pending_signals:  # else hidden.py calls it
+                self.compress_all()
             return
         self._maintain(layer, decoding)
+
+    @property
+    def waiting(self) -> bool:
+        """True while a pass over the prompt that the stack (or `observe`) needs has not run yet:
+        KVzip's reconstruction, which the decoding loop runs after each prompt chunk."""
+        if "reconstruction" not in self.needs or (self.stack.evictor is not None and self.budget.is_full):
+            return False
+        return not all("reconstruction" in layer.stats for layer in self.layers if layer.is_initialized)
+
+    def compress_all(self) -> None:
+        """Compress every layer to its budget now (after the prompt, or after a re-reading pass)."""
+        if self.stack.evictor is None or self.budget.is_full or self.waiting:
+            return
+        if self.stack.whole_prompt:
+            started = self.compress_clock.start(self.layers[0].keys[0].device)
+            self.weights, self._allocation = self.weigh(), None
+            self.compress_clock.stop(started)
+        for layer in self.layers:
+            if layer.is_initialized:
+                self._maintain(layer, decoding=False)
 
     def _maintain(self, layer: CompressedLayer, decoding: bool) -> None:
         method = self.stack.evictor
         assert method is not None
         keep = method.limit(self.keep_allowed(layer), decoding, self.confidence)
         counts = layer.counts()
-        over = counts > keep  # (b, h); heads within budget keep everything (batch-invariant)
+        if any(a.splits for a in self.stack.allocators):  # heads share the layer's total: compare totals
+            over = counts.sum(-1) > keep.sum(-1)  # (b,)
+        else:
+            over = counts > keep  # (b, h); heads within budget keep everything (batch-invariant)
         if not bool(over.any()):
             return
         self.compress_layer(layer, keep, decoding)
@@ -331,16 +362,17 @@ class KVCache(Cache):
         obs = Observation(layer, keep, self.seq.token_index(), decoding, self.confidence)
         scores = self.scores(obs)
         protected = None
-        if decoding and method.decode_window:
-            protected = recent_mask(obs, method.decode_window)
+        if decoding and self.stack.decode_window:
+            protected = recent_mask(obs, self.stack.decode_window)
             scores = torch.where(protected, torch.full_like(scores, float("inf")), scores)
         for allocator in self.stack.allocators:
             keep = allocator.split(scores, obs.valid, keep)
         keep = torch.maximum(keep, torch.clamp(obs.valid.sum(-1), max=self.stack.min_tokens))
         counts = obs.valid.sum(-1)
         over = counts > keep  # heads within their share keep everything (batch-invariant)
-        if decoding and method.every > 1:  # evict ahead so the next `every - 1` steps fit
-            keep = torch.maximum(keep - (method.every - 1), torch.clamp(counts, max=self.stack.min_tokens))
+        every = self.stack.every
+        if decoding and every > 1:  # evict ahead so the next `every - 1` steps fit
+            keep = torch.maximum(keep - (every - 1), torch.clamp(counts, max=self.stack.min_tokens))
         keep = torch.where(over, keep, counts)
         obs.keep = keep
         layer.apply(select(scores, obs.valid, obs.slots, keep, protected))

@@ -186,10 +186,13 @@ class CompressedLayer:
             assert self.query_slots is not None
             self.query_slots = torch.cat([self.query_slots, slots])[-window:]
 
-    def add_stat(self, name: str, h: int, value: torch.Tensor, accumulate: bool) -> None:
-        """Record a per-token statistic (b, t_h) for head h, summed or replaced."""
+    def add_stat(self, name: str, h: int, value: torch.Tensor, accumulate: bool | str) -> None:
+        """Record a per-token statistic (b, t_h) for head h: summed (True), replaced (False) or "max"."""
         per_head = self.stats.setdefault(name, [x.new_zeros(x.shape[:2], dtype=torch.float32) for x in self.keys])
-        per_head[h] = per_head[h] + value if accumulate else value
+        if accumulate == "max":
+            per_head[h] = torch.maximum(per_head[h], value)
+        else:
+            per_head[h] = per_head[h] + value if accumulate else value
 
     def apply(self, keep: Keep) -> None:
         """Execute a decision: gather each head's kept tokens into new, smaller tensors."""

@@ -1,7 +1,8 @@
 """Attention statistics that methods ask for, computed for the queries at hand, per KV head.
 
 `attention_sum`: attention each held token received, summed over queries and the head's
-group (H2O); `last_attention`: the newest query's attention, averaged over the group (TOVA).
+group (H2O); `last_attention`: the newest query's attention, averaged over the group (TOVA);
+`max_attention`: the most attention any query of the group gave it (KVzip's reconstruction).
 Probabilities are materialised in chunks of queries, only when a method needs them.
 """
 
@@ -12,7 +13,7 @@ import torch
 from kvstack.cache.attention import attention_probs, head_mask
 from kvstack.cache.layer import CompressedLayer
 
-STATISTICS = frozenset({"attention_sum", "last_attention"})
+STATISTICS = frozenset({"attention_sum", "last_attention", "max_attention"})
 CHUNK = 256  # queries per chunk when probabilities are materialised
 
 
@@ -32,8 +33,9 @@ def record(
         q_real = torch.gather(padding, 1, query_slots.unsqueeze(0).expand(padding.shape[0], -1)).float()
     for h in range(layer.n_kv_heads):
         qh, slots = query[:, h * g : (h + 1) * g], layer.head_slots(h)
-        if "attention_sum" in needs:
+        if needs & {"attention_sum", "max_attention"}:
             total = torch.zeros(qh.shape[0], layer.head_len(h), device=query.device)
+            most = torch.zeros_like(total)
             for start in range(0, qh.shape[2], CHUNK):
                 end = min(start + CHUNK, qh.shape[2])
                 p = attention_probs(
@@ -42,7 +44,11 @@ def record(
                 if q_real is not None:
                     p = p * q_real[:, None, start:end, None]
                 total += p.sum(dim=(1, 2))
-            layer.add_stat("attention_sum", h, total, accumulate=True)
+                most = torch.maximum(most, p.amax(dim=(1, 2)))
+            if "attention_sum" in needs:
+                layer.add_stat("attention_sum", h, total, accumulate=True)
+            if "max_attention" in needs:
+                layer.add_stat("max_attention", h, most, accumulate="max")
         if "last_attention" in needs:
             p = attention_probs(
                 qh[:, :, -1:], layer.keys[h], head_mask(slots, query_slots[-1:], padding, window), scale

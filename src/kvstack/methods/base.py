@@ -90,9 +90,23 @@ class Observation:
         return self._layer.query_slots
 
     @cached_property
+    def query_valid(self) -> torch.Tensor:
+        """(b, w) True where an observed query is a real token (False on padding)."""
+        pad, slots = self._layer.seq.padding, self.query_slots
+        if pad is None:
+            return torch.ones(self._layer.batch, slots.shape[0], dtype=torch.bool, device=slots.device)
+        return pad[:, slots].bool()
+
+    @cached_property
     def attention_sum(self) -> torch.Tensor:
         """(b, h, t) attention each token received, summed over all queries and the head's group."""
         return self._layer.dense(self._layer.stats["attention_sum"], fill=0.0)
+
+    def stat(self, name: str) -> torch.Tensor:
+        """(b, h, t) a per-token statistic the cache holds under `name` (0 where a head has fewer tokens)."""
+        if name not in self._layer.stats:
+            raise RuntimeError(f"this method needs the statistic {name!r} but the cache recorded none")
+        return self._layer.dense(self._layer.stats[name], fill=0.0)
 
     @cached_property
     def last_attention(self) -> torch.Tensor:
@@ -140,6 +154,7 @@ class Method(Stage):
     loses its place mid-answer (measured: knorm at 0.5 on niah_single 2k went from 0.3 to 0.7).
     """
 
+    cadence_from_inner: ClassVar[bool] = False  # a re-scorer decodes at its wrapped scorer's cadence
     every: int = field(default=1, kw_only=True)
     decode_window: int = field(default=16, kw_only=True)
 

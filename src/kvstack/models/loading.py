@@ -40,6 +40,14 @@ class LoadedModel:
     add_bos: bool
     folder: Path | None = None  # a transformers folder with the same weights (rival toolkits load it)
 
+    def __post_init__(self) -> None:
+        # KVzip's reconstruction prompts in this model's tokens (the cache sees ids, never text)
+        from kvstack.methods.evict.kvzip import REPEAT, REPEAT_PART
+
+        encode = getattr(self.tokenizer, "encode", None)
+        if encode is not None:
+            self.model._kvstack_repeat_ids = tuple(encode(t, add_special_tokens=False) for t in (REPEAT, REPEAT_PART))
+
     @property
     def max_context(self) -> int:
         return int(getattr(self.model.config.get_text_config(), "max_position_embeddings", 0) or 0)

@@ -1,0 +1,67 @@
+"""`kvzip`: KVzip (Kim et al., 2025): keep what the model needs to reconstruct the context."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kvstack.methods.base import Method, Observation
+from kvstack.methods.registry import register
+
+REPEAT = "\n\nRepeat the previous context exactly."
+REPEAT_PART = "\n\nRepeat the part of the previous context exactly, starting with "
+
+
+@register
+@dataclass
+class KVzip(Method):
+    """Query-agnostic: after the prompt, the model is asked to repeat it (teacher-forced, chunk by
+    chunk) and each cached pair is scored by the most attention any reconstruction query of its
+    head's group gives it (max over queries and group); the pairs reconstruction needs survive,
+    whatever question comes later. The first `sinks` tokens are kept (kvpress's n_sink 4).
+
+    Costs one extra forward pass over the prompt (the re-reading runs in `kvstack.generate`).
+    Deviations from the reference (snu-mllab/KVzip attention/score.py): each chunk attends to the
+    whole prompt rather than only its slice, and the per-head top-k is uniform unless an
+    allocator is stacked (the paper's default prunes with one threshold over all heads:
+    `adakv(kvzip)` shares a layer's budget the same way within the layer). Decoding tokens have
+    no reconstruction score: past `decode_window` they are the first to go, as when kvpress
+    compresses once and stops.
+
+    Shapes: the statistic "reconstruction" (b, h, t) -> scores (b, h, t).
+    """
+
+    name = "kvzip"
+    family = "evict"
+    paper = "KVzip: Query-Agnostic KV Cache Compression with Context Reconstruction (arXiv 2505.23416)"
+    needs = frozenset({"reconstruction"})
+    sinks: int = 4
+    chunk_size: int = 2048
+    every: int = field(default=16, kw_only=True)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.sinks < 0:
+            raise ValueError(f"kvzip: sinks must be >= 0, got {self.sinks}")
+        if self.chunk_size < 16:
+            raise ValueError(f"kvzip: chunk_size must be >= 16 tokens, got {self.chunk_size}")
+
+    def score(self, obs: Observation) -> torch.Tensor:
+        scores = obs.stat("reconstruction")
+        sink = obs.valid & (obs.positions < self.sinks)
+        return torch.where(sink, torch.full_like(scores, float("inf")), scores)
+
+
+def reconstruction_chunks(
+    context: list[int], chunk_size: int, repeat: list[int], repeat_part: list[int], overlap: int = 8
+) -> list[list[int]]:
+    """The teacher-forced inputs that ask the model to repeat `context`, one per chunk of `chunk_size`
+    tokens: the first after `repeat`, the next ones after `repeat_part` + the last `overlap` tokens
+    of the chunk before (KVzip's prompts, model/wrapper.py)."""
+    chunks = [context[i : i + chunk_size] for i in range(0, len(context), chunk_size)]
+    out = []
+    for i, chunk in enumerate(chunks):
+        lead = repeat if i == 0 else repeat_part + chunks[i - 1][-overlap:]
+        out.append(lead + chunk)
+    return out

@@ -1,0 +1,51 @@
+"""KVzip: its reconstruction prompts, its scores against eager attention, and what it keeps."""
+
+import torch
+
+from helpers import layer_with, observe
+from kvstack.cache.cache import KVCache
+from kvstack.generate import _Runner
+from kvstack.methods.evict.kvzip import reconstruction_chunks
+from kvstack.methods.select import select
+from kvstack.stack import Stack
+
+
+def test_reconstruction_chunks_follow_the_papers_prompts():
+    # chunk 4, overlap 2: the second chunk restarts from the last 2 tokens of the first
+    got = reconstruction_chunks(list(range(10, 20)), 4, repeat=[1], repeat_part=[2, 3], overlap=2)
+    assert got == [[1, 10, 11, 12, 13], [2, 3, 12, 13, 14, 15, 16, 17], [2, 3, 16, 17, 18, 19]]
+
+
+def test_kvzip_keeps_the_sinks_then_the_best_reconstruction_scores():
+    layer = layer_with(torch.randn(1, 1, 8, 4))
+    layer.add_stat("reconstruction", 0, torch.tensor([[0.0, 0.0, 0.9, 0.1, 0.8, 0.2, 0.3, 0.05]]), accumulate=False)
+    method = Stack.parse("kvzip(sinks=2)").evictor
+    obs = observe(layer, 4)
+    decision = select(method.score(obs), obs.valid, obs.slots, obs.keep)
+    assert decision.index[0, 0].tolist() == [0, 1, 2, 4]  # sinks 0, 1 despite score 0; then 0.9 and 0.8
+
+
+def test_reread_scores_are_the_max_attention_of_the_reconstruction_queries(llama):
+    context = torch.randint(3, 90, (30,), generator=torch.Generator().manual_seed(1)).tolist()
+    repeat = [5, 6, 7]
+    llama._kvstack_repeat_ids = (repeat, [8])
+    try:
+        cache = KVCache(llama, "full", 1.0, observe=frozenset({"reconstruction"}))
+        runner = _Runner(llama, cache)
+        runner.forward(torch.tensor([context]), torch.ones(1, 30, dtype=torch.long))  # re-reads after the prompt
+        assert cache.reread_s > 0 and not cache.waiting
+    finally:
+        del llama._kvstack_repeat_ids
+    # the definition, with eager attention over context + "repeat" + context in one pass
+    llama.set_attn_implementation("eager")
+    try:
+        ids = torch.tensor([context + repeat + context])
+        with torch.no_grad():
+            attn = llama(ids, output_attentions=True).attentions  # per layer (1, 4 query heads, q, k)
+    finally:
+        llama.set_attn_implementation("kvstack")
+    for layer, probs in zip(cache.layers, attn, strict=True):
+        rows = probs[0, :, 30:, :30]  # reconstruction queries -> context keys
+        for h in range(layer.n_kv_heads):
+            expected = rows[2 * h : 2 * h + 2].amax(dim=(0, 1))  # group of 2 query heads per KV head
+            torch.testing.assert_close(layer.stats["reconstruction"][h][0], expected, atol=1e-5, rtol=1e-4)
