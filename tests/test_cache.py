@@ -12,7 +12,15 @@ from kvstack.methods.select import Keep
 
 METHODS = [m for m in all_methods() if m != "full"]
 # short windows and chunks, so the tiny prompts (40-100 tokens) exercise them
-SHORT = {"snapkv": "snapkv(window_size=4, every=4)", "lagkv": "lagkv(sinks=2, lag=8)"}
+SHORT = {
+    "snapkv": "snapkv(window_size=4, every=4)",
+    "lagkv": "lagkv(sinks=2, lag=8)",
+    "dapq": "dapq(window_size=4, every=4)",
+    "triattention": "triattention(window_size=8, recent=4, every=4)",
+    "graphkv": "graphkv(snapkv(window_size=4, every=4), sources=8)",
+    "kvcrush": "kvcrush(snapkv(window_size=4, every=4))",
+    "scope": "scope(snapkv(window_size=4))",
+}
 SPECS = {m: m for m in ["full", *METHODS]} | SHORT
 # allocators wrap the short snapkv unless given their own short spec
 ALLOCATORS = [m for m, cls in all_methods().items() if cls.family == "allocate"]
@@ -80,8 +88,8 @@ def test_compression_frees_bytes_and_stays_within_budget(tiny, method, mode):
     steps = 48 if mode == "decoding" else 0
     for t in prompt(steps, seed=2):
         runner.forward(torch.tensor([[t]]), torch.ones(1, 1, dtype=torch.long))
-        for layer in cache.layers:
-            assert bool((layer.counts() <= cache.keep_allowed(layer)).all())
+        for layer in cache.layers:  # per layer: allocators such as adakv move tokens between heads
+            assert bool((layer.counts().sum(-1) <= cache.keep_allowed(layer).sum(-1)).all())
         assert cache.nbytes() <= 0.5 * cache.full_nbytes()
 
 

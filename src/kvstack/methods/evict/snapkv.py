@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from kvstack.methods.base import Method, Observation, recent_mask
+from kvstack.methods.evict.window import smooth, window_votes
 from kvstack.methods.registry import register
 
 
@@ -33,9 +33,9 @@ class SnapKV(Method):
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.window_size < 1:
-            raise ValueError(f"snapkv: window_size must be >= 1, got {self.window_size}")
+            raise ValueError(f"{self.name}: window_size must be >= 1, got {self.window_size}")
         if self.kernel_size < 1 or self.kernel_size % 2 == 0:
-            raise ValueError(f"snapkv: kernel_size must be odd and >= 1, got {self.kernel_size}")
+            raise ValueError(f"{self.name}: kernel_size must be odd and >= 1, got {self.kernel_size}")
 
     @property
     def query_window(self) -> int:
@@ -45,22 +45,13 @@ class SnapKV(Method):
     def min_tokens(self) -> int:
         return self.window_size
 
-    def score(self, obs: Observation) -> torch.Tensor:
-        b, h, t, _ = obs.keys.shape
-        q = obs.queries.float()  # (b, h*g, w, d)
-        w = q.shape[2]
-        q = q.reshape(b, h, obs.groups * w, -1)
-        logits = torch.einsum("bhqd,bhtd->bhqt", q, obs.keys.float()) * obs.scaling
-        q_slots = obs.query_slots.repeat(obs.groups)  # (g*w,) in the same order as q
+    def votes(self, obs: Observation) -> torch.Tensor:
+        """(b, h, t) the window's attention to each held token, each query seeing the tokens before it."""
+        q_slots = obs.query_slots.repeat(obs.groups)  # (g*w,) in the order window_votes flattens queries
         allowed = obs.valid[:, :, None, :] & (obs.slots[:, :, None, :] <= q_slots[None, None, :, None])
-        probs = torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1).nan_to_num(0.0)
-        votes = probs.sum(dim=2) / obs.groups  # (b, h, t)
-        pooled = F.avg_pool1d(
-            votes.reshape(b * h, 1, t),
-            self.kernel_size,
-            stride=1,
-            padding=self.kernel_size // 2,
-            count_include_pad=False,
-        ).reshape(b, h, t)
-        window = recent_mask(obs, w)
+        return window_votes(obs.queries, obs, allowed)
+
+    def score(self, obs: Observation) -> torch.Tensor:
+        pooled = smooth(self.votes(obs), self.kernel_size, obs.valid)
+        window = recent_mask(obs, obs.queries.shape[2])
         return torch.where(window, torch.full_like(pooled, float("inf")), pooled)
