@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -81,11 +80,12 @@ def methods() -> None:
     """List the compression methods: name, family, paper, parameters."""
     from kvstack.methods.registry import all_methods
 
-    table = Table(title="methods (combine: --method 'streaming(sinks=4)')")
+    table = Table(title="methods (set parameters: 'streaming(sinks=4)'; wrap a scorer: 'pyramid(snapkv)')")
     for col in ("name", "family", "paper", "parameters"):
         table.add_column(col)
     for name, cls in all_methods().items():
-        params = ", ".join(f"{f.name}={f.default!r}" for f in fields(cls))
+        defaults = cls().params()
+        params = ", ".join(f"{k}={getattr(v, 'name', None) or repr(v)}" for k, v in defaults.items())
         table.add_row(name, cls.family, cls.paper, params)
     out.print(table)
 

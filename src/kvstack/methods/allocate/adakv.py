@@ -23,6 +23,7 @@ class AdaKV(Allocator):
 
     name = "adakv"
     paper = "Ada-KV: Optimizing KV Cache Eviction by Adaptive Budget Allocation (arXiv 2407.11550)"
+    splits = True
     alpha: float = 0.2
 
     def __post_init__(self) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -43,6 +43,7 @@ class Plan:
         self.n_layers = len(cache.layers)
         self.n_heads = cache.layers[0].n_kv_heads
         self.signals = cache.signals
+        self.calibration = cache.calibration  # kind -> table measured on the model (head allocators)
         self._scores: dict[int, torch.Tensor] = {}
 
     def observation(self, layer_idx: int) -> Observation:
@@ -68,10 +69,13 @@ class Allocator(Stage):
 
     `whole_prompt`: the weights need every layer's view of the prompt, so the cache compresses
     once the prompt has gone through the last layer (peak memory is then the full prompt's).
+    `splits`: `split` moves budget between a layer's heads, so the cache holds the layer's total
+    (a head may hold more than a uniform share).
     """
 
     family: ClassVar[str] = "allocate"
     whole_prompt: ClassVar[bool] = False
+    splits: ClassVar[bool] = False  # True when `split` moves budget between a layer's heads
     scorer: Stage = field(default_factory=default_scorer)
 
     def __post_init__(self) -> None:
@@ -89,6 +93,15 @@ class Allocator(Stage):
     @property
     def compresses(self) -> bool:
         return True
+
+    @property
+    def kind(self) -> str:
+        """Name under which the cache keeps what `prepare` returns."""
+        return self.name
+
+    def prepare(self, model: Any) -> torch.Tensor | None:
+        """Anything measured on the model once, before any prompt (a head calibration); None = nothing."""
+        return None
 
     def weights(self, plan: Plan) -> torch.Tensor | None:
         """(L, b, h) budget weights relative to a uniform split (1 = uniform), or None."""

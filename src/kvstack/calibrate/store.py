@@ -1,0 +1,142 @@
+"""Where head calibrations live: memoised in this process and saved on disk, keyed by the model.
+
+A calibration is a small table measured once per model (for example (L, h_kv) head scores).
+The key names the model by its config's `name_or_path` and a hash of its first query
+projection, so two random tiny models with different seeds get different tables while the
+same checkpoint loaded twice (or in another dtype) reuses the saved one. Files go to
+`<cache>/calibration/<key>-<kind>.pt`, `<cache>` being kvstack's cache directory
+($KVSTACK_CACHE, else the user cache directory, e.g. ~/.cache/kvstack); $KVSTACK_CALIBRATION
+overrides the folder (the tests keep theirs apart).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from kvstack.cache.cache import text_config
+
+_MEMO: dict[tuple[str, str], torch.Tensor] = {}
+
+
+def calibration_dir() -> Path:
+    """The folder of saved calibrations: $KVSTACK_CALIBRATION, else `calibration/` in kvstack's
+    cache directory ($KVSTACK_CACHE, like the converted models)."""
+    from kvstack.models.loading import cache_dir
+
+    own = os.environ.get("KVSTACK_CALIBRATION")
+    return Path(own) if own else cache_dir() / "calibration"
+
+
+def _probe(model: Any) -> torch.Tensor:
+    """The first query projection's weight (any first parameter when there is none)."""
+    for name, param in model.named_parameters():
+        if "q_proj" in name or "qkv" in name:
+            return param
+    return next(model.parameters())
+
+
+def model_key(model: Any) -> str:
+    """`<name>-<12 hex>`: the checkpoint's name and a hash of its shape and first query weights."""
+    config = text_config(model.config)
+    name = str(getattr(model.config, "name_or_path", "") or "")
+    probe = _probe(model).detach()
+    total = float(probe.double().sum())
+    size = float(probe.double().abs().sum())
+    layers = config.num_hidden_layers
+    kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    ident = f"{name}|{config.model_type}|{layers}|{kv}|{tuple(probe.shape)}|{total:.12e}|{size:.12e}"
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "_", Path(name).name or config.model_type)[-48:]
+    return f"{slug}-{hashlib.sha1(ident.encode()).hexdigest()[:12]}"
+
+
+def calibrated(model: Any, kind: str, compute: Callable[[Any], torch.Tensor]) -> torch.Tensor:
+    """The table `kind` of this model: from memory, else from disk, else `compute(model)` (then saved).
+
+    The table comes back on the CPU as float32. A file that cannot be read is measured again;
+    a folder that cannot be written only loses the disk copy.
+    """
+    key = (model_key(model), kind)
+    if key in _MEMO:
+        return _MEMO[key]
+    path = calibration_dir() / f"{key[0]}-{kind}.pt"
+    table = _load(path)
+    if table is None:
+        table = compute(model).detach().float().cpu()
+        _save(table, path)
+    _MEMO[key] = table
+    return table
+
+
+def forget() -> None:
+    """Drop the in-process memo (the files stay): the next call reads the disk again."""
+    _MEMO.clear()
+
+
+def _load(path: Path) -> torch.Tensor | None:
+    if not path.exists():
+        return None
+    try:
+        table = torch.load(path, map_location="cpu", weights_only=True)
+    except (OSError, RuntimeError, EOFError, ValueError):
+        return None
+    return table if isinstance(table, torch.Tensor) else None
+
+
+def _save(table: torch.Tensor, path: Path) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{id(table)}.partial")
+        torch.save(table, tmp)
+        tmp.replace(path)
+    except OSError:
+        pass
+
+
+class Ticker:
+    """Counts calibration steps; a rich progress bar (on stderr) appears once `after` seconds passed,
+    so quick calibrations (tiny models, memoised tables) print nothing."""
+
+    def __init__(self, description: str, total: int, after: float = 3.0) -> None:
+        self.description, self.total, self.after = description, total, after
+        self.done = 0
+        self.started = time.monotonic()
+        self._bar: Progress | None = None
+        self._task: Any = None
+
+    def __enter__(self) -> Ticker:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
+    ) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
+
+    def advance(self, steps: int = 1) -> None:
+        self.done += steps
+        if self._bar is None and time.monotonic() - self.started > self.after:
+            self._bar = Progress(
+                TextColumn("{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                console=Console(file=sys.stderr),
+                transient=True,
+            )
+            self._bar.start()
+            self._task = self._bar.add_task(self.description, total=self.total)
+        if self._bar is not None:
+            self._bar.update(self._task, completed=min(self.done, self.total))

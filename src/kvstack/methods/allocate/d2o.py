@@ -1,0 +1,66 @@
+"""`d2o`: D2O's layer-level budgets (Wan et al., 2024): layers with denser attention keep more."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+
+from kvstack.methods.allocate.base import Allocator, Plan, default_scorer
+from kvstack.methods.base import Stage
+from kvstack.methods.registry import register
+
+
+def attention_spread(attention_sum: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """(b,) one layer's e: the variance over tokens of the attention each token received (b, h, t),
+    per head and over the real tokens `valid` (b, h, t) (unbiased, 0 with under 2 tokens),
+    min-max normalised across the layer's heads (+1e-6 in the denominator, as the reference
+    code), then averaged over the heads. Low e: attention spread evenly (dense)."""
+    s = attention_sum.double().masked_fill(~valid, 0.0)
+    n = valid.sum(-1).to(s.dtype)  # (b, h)
+    mean = s.sum(-1) / n.clamp(min=1)
+    var = ((s - mean[..., None]).pow(2) * valid).sum(-1) / (n - 1).clamp(min=1)
+    var = torch.where(n >= 2, var, torch.zeros_like(var))
+    low, high = var.amin(-1, keepdim=True), var.amax(-1, keepdim=True)
+    return ((var - low) / (high - low + 1e-6)).mean(-1)
+
+
+def d2o_weights(spread: torch.Tensor) -> torch.Tensor:
+    """(L, b) budget weights softmax(-e) x L over the layers, from e (L, b): mean 1, lower e keeps more."""
+    return torch.softmax(-spread.double(), dim=0) * spread.shape[0]
+
+
+@register
+@dataclass
+class D2O(Allocator):
+    """Dynamic Discriminative Operations, layer level: a layer whose attention is spread evenly
+    over the prompt (low variance of the attention each token received, summed over the prompt's
+    queries) needs many tokens; a layer that attends to a few tokens can give some up. Per layer
+    e = mean over heads of the min-max normalised variance; weights = softmax(-e) x L
+    (`LlamaAttention3_D2O` in AIoT-MLSys-Lab/D2O LLM_merge_new/LMEval_kv_token_merge/
+    modeling_llama3_7b_13b_d2o.py computes e during prefill). Default scorer h2o: D2O keeps
+    H2O's heavy hitters (accumulated attention) plus a recent window inside each layer's budget.
+
+    Deviations: the attention sums are per KV head (summed over its query group), not per query
+    head, and per batch row; the reference never compresses layers 0, 1 and L-1, we keep the
+    budget honest and weigh every layer. D2O's token-level half (merging evicted tokens into
+    kept ones by cosine similarity) is a separate method, not this allocator.
+
+    Shapes: attention_sum (b, h, t) per layer -> e (L, b) -> weights (L, b, h).
+    """
+
+    name = "d2o"
+    paper = "D2O: Dynamic Discriminative Operations for Efficient Generative Inference of LLMs (arXiv 2406.13035)"
+    needs = frozenset({"attention_sum"})
+    whole_prompt: ClassVar[bool] = True
+    scorer: Stage = field(default_factory=lambda: default_scorer("h2o"))
+
+    def weights(self, plan: Plan) -> torch.Tensor:
+        L, b, h = plan.shape
+        spread = []
+        for layer_idx in range(L):
+            obs = plan.observation(layer_idx)
+            spread.append(attention_spread(obs.attention_sum, obs.valid))
+        w = d2o_weights(torch.stack(spread))  # (L, b)
+        return w[:, :, None].expand(L, b, h)

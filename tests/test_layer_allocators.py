@@ -1,0 +1,184 @@
+"""Whole-prompt layer allocators (squeeze, prefix, d2o): their pure decisions by hand, and the
+hidden-state hooks SqueezeAttention measures with, on the tiny Llama."""
+
+import math
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from kvstack.cache import hidden
+from kvstack.cache.cache import KVCache
+from kvstack.generate import _Runner
+from kvstack.methods.allocate.d2o import attention_spread, d2o_weights
+from kvstack.methods.allocate.prefix import importance_cdf, prefix_counts, token_importance
+from kvstack.methods.allocate.squeeze import kmeans_1d, squeeze_weights
+from kvstack.stack import Stack
+
+
+def ids(n, seed=0):
+    return torch.randint(3, 97, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+# ---- prefix ---------------------------------------------------------------------------------
+def test_prefix_counts_give_the_peaked_layer_fewer_tokens_at_one_shared_mass():
+    # layer 0 peaked: importance 0.7, 0.1, 0.1, 0.1 -> cdf 0.7, 0.8, 0.9, 1.0
+    # layer 1 flat:   0.25 x 4                      -> cdf 0.25, 0.5, 0.75, 1.0
+    cdfs = torch.tensor([[[0.7, 0.8, 0.9, 1.0]], [[0.25, 0.5, 0.75, 1.0]]], dtype=torch.float64)
+    # uniform 2 + 2 = 4: any mass m in (0.5, 0.7] needs 1 token in layer 0 and 3 in layer 1
+    assert prefix_counts(cdfs, 4).flatten().tolist() == [1, 3]
+    # 5: m in (0.7, 0.75] -> 2 + 3;  3: m in (0.25, 0.5] -> 1 + 2
+    assert prefix_counts(cdfs, 5).flatten().tolist() == [2, 3]
+    assert prefix_counts(cdfs, 3).flatten().tolist() == [1, 2]
+    # every token (8) at m = 1; at least one token per layer even for a total of 1
+    assert prefix_counts(cdfs, 8).flatten().tolist() == [4, 4]
+    assert prefix_counts(cdfs, 1).flatten().tolist() == [1, 1]
+
+
+def test_prefix_counts_treat_each_sequence_on_its_own():
+    # (L=2, b=2, t=4): row 0 as above, row 1 with the layers swapped
+    peaked, flat = [0.7, 0.8, 0.9, 1.0], [0.25, 0.5, 0.75, 1.0]
+    cdfs = torch.tensor([[peaked, flat], [flat, peaked]], dtype=torch.float64)
+    assert prefix_counts(cdfs, torch.tensor([4, 4])).tolist() == [[1, 3], [3, 1]]
+
+
+def test_importance_is_averaged_over_heads_by_slot_and_its_cdf_sorted_and_normalised():
+    # heads hold slots 0, 1, 2; +inf (must keep) counts as the largest finite score, 3
+    scores = torch.tensor([[[1.0, float("inf"), 3.0], [3.0, 1.0, float("inf")]]])
+    valid = torch.ones_like(scores, dtype=torch.bool)
+    slots = torch.arange(3).expand(1, 2, 3)
+    importance, real = token_importance(scores, valid, slots)
+    # head 0: 1, 3, 3; head 1: 3, 1, 3 -> mean 2, 2, 3
+    assert importance.tolist() == [[2.0, 2.0, 3.0]] and real.all()
+    # sorted 3, 2, 2 over 7 -> 3/7, 5/7, 1
+    assert torch.allclose(importance_cdf(importance, real), torch.tensor([[3 / 7, 5 / 7, 1.0]], dtype=torch.float64))
+    # a padded slot 0 is left out; 3, 1, 0 over 4 -> 0.75, 1, then 1 to the end
+    cdf = importance_cdf(torch.tensor([[9.0, 1.0, 3.0, 0.0]]), torch.tensor([[False, True, True, True]]))
+    assert cdf.tolist() == [[0.75, 1.0, 1.0, 1.0]]
+    # heads holding different slots: head 0 slots 0, 2 (scores 4, 2), head 1 slots 1, 2 (6, 4)
+    two = torch.ones(1, 2, 2, dtype=torch.bool)
+    importance, real = token_importance(torch.tensor([[[4.0, 2.0], [6.0, 4.0]]]), two, torch.tensor([[[0, 2], [1, 2]]]))
+    assert importance.tolist() == [[4.0, 6.0, 3.0]]
+
+
+# ---- squeeze --------------------------------------------------------------------------------
+def test_kmeans_1d_starts_at_min_median_max_and_breaks_ties_low():
+    # init 0, 2 (lower median), 10; 1 is as close to 0 as to 2 -> the lower cluster
+    # centers 0.5, 2.5, 10, and nothing moves again
+    labels, centers = kmeans_1d(torch.tensor([0.0, 1.0, 2.0, 3.0, 10.0]))
+    assert labels.tolist() == [0, 0, 1, 1, 2]
+    assert centers.tolist() == [0.5, 2.5, 10.0]
+
+
+def test_squeeze_gives_the_highest_cosine_cluster_p_and_shares_the_rest():
+    # clusters {0.5, 0.52}, {0.7, 0.72}, {0.95, 0.97}: the last two layers change least
+    # they keep 0.3 each; the other four share 6 - 0.6 = 5.4 -> 1.35 each
+    w = squeeze_weights([0.5, 0.52, 0.7, 0.72, 0.95, 0.97], p=0.3)
+    assert torch.allclose(w, torch.tensor([1.35, 1.35, 1.35, 1.35, 0.3, 0.3], dtype=torch.float64))
+    assert math.isclose(float(w.sum()), 6.0)
+    # all equal, or a single layer: uniform
+    assert squeeze_weights([0.9, 0.9, 0.9], p=0.3).tolist() == [1.0, 1.0, 1.0]
+    assert squeeze_weights([0.4], p=0.3).tolist() == [1.0]
+    # two layers: init 0.2, 0.2, 0.8 -> the 0.8 layer keeps 0.5, the other 2 - 0.5 = 1.5
+    assert squeeze_weights([0.2, 0.8], p=0.5).tolist() == [1.5, 0.5]
+
+
+def test_squeeze_refuses_a_share_outside_zero_one():
+    with pytest.raises(Exception, match="p must be in"):
+        Stack.parse("squeeze(p=1.5)")
+
+
+def test_hooks_record_one_cosine_per_layer_and_sequence_then_the_allocation_follows(llama):
+    cache = KVCache(llama, "squeeze(snapkv(window_size=4, every=4))", 0.5)
+    _Runner(llama, cache).forward(ids(48), torch.ones(1, 48, dtype=torch.long))
+    cos = cache.signals["hidden_cosine"]
+    assert sorted(cos) == [0, 1, 2, 3]
+    assert all(v.shape == (1,) and -1.0 <= float(v) <= 1.0 for v in cos.values())
+    assert cache.signals["hidden_cosine_tokens"][3].tolist() == [48.0]
+    assert not cache.pending_signals
+    # the weights were decided from every layer's value, the last one included
+    expected = squeeze_weights(torch.stack([cos[i][0] for i in range(4)]), 0.3)
+    assert torch.allclose(cache.weights[:, 0, 0], expected)
+    assert cache.nbytes() <= 0.5 * cache.full_nbytes()
+
+
+def test_the_cosine_is_the_residual_stream_before_and_after_attention(tiny):
+    # independent of the hooks: the layer's input, and the residual stream that enters the
+    # pre-MLP norm (Llama: post_attention_layernorm; Gemma 3: pre_feedforward_layernorm, its
+    # attention output already normalised by post_attention_layernorm)
+    layer = tiny.model.layers[1]
+    norm = getattr(layer, "pre_feedforward_layernorm", None) or layer.post_attention_layernorm
+    seen = {}
+    first = layer.register_forward_pre_hook(
+        lambda m, a, k: seen.update(x=a[0] if a else k["hidden_states"]), with_kwargs=True
+    )
+    second = norm.register_forward_pre_hook(lambda m, a: seen.update(y=a[0]))
+    cache = KVCache(tiny, "full", 1.0, observe=frozenset({"hidden_cosine"}))
+    try:
+        _Runner(tiny, cache).forward(ids(20, 1), torch.ones(1, 20, dtype=torch.long))
+    finally:
+        first.remove()
+        second.remove()
+    expected = torch.nn.functional.cosine_similarity(seen["x"], seen["y"], dim=-1).mean()
+    assert torch.allclose(cache.signals["hidden_cosine"][1], expected.reshape(1), atol=1e-6)
+
+
+def test_padding_is_left_out_and_chunks_average_like_one_prompt(llama):
+    alone = KVCache(llama, "full", 1.0, observe=frozenset({"hidden_cosine"}))
+    _Runner(llama, alone).forward(ids(30, 2), torch.ones(1, 30, dtype=torch.long))
+    # the same prompt left-padded by 10 in a batch with another one
+    batch = torch.cat([torch.cat([torch.zeros(1, 10, dtype=torch.long), ids(30, 2)], 1), ids(40, 3)])
+    mask = torch.ones(2, 40, dtype=torch.long)
+    mask[0, :10] = 0
+    padded = KVCache(llama, "full", 1.0, observe=frozenset({"hidden_cosine"}))
+    _Runner(llama, padded).forward(batch, mask)
+    # the prompt in two chunks: 12 then 18 tokens (a token-weighted running mean)
+    chunked = KVCache(llama, "full", 1.0, observe=frozenset({"hidden_cosine"}))
+    runner = _Runner(llama, chunked)
+    runner.forward(ids(30, 2)[:, :12], torch.ones(1, 12, dtype=torch.long))
+    runner.forward(ids(30, 2)[:, 12:], torch.ones(1, 18, dtype=torch.long))
+    for i in range(4):
+        one = alone.signals["hidden_cosine"][i]
+        assert torch.allclose(padded.signals["hidden_cosine"][i][:1], one, atol=1e-5)
+        assert torch.allclose(chunked.signals["hidden_cosine"][i], one, atol=1e-5)
+    assert padded.signals["hidden_cosine_tokens"][0].tolist() == [30.0, 40.0]
+
+
+def test_hooks_install_once_and_record_nothing_when_no_cache_needs_them(llama):
+    hidden.install(llama)
+    before = [len(layer._forward_pre_hooks) for layer in llama.model.layers]
+    hidden.install(llama)
+    KVCache(llama, "squeeze", 0.5)  # installs again through the cache: still once
+    assert [len(layer._forward_pre_hooks) for layer in llama.model.layers] == before
+    cache = KVCache(llama, "snapkv(window_size=4)", 0.5)
+    _Runner(llama, cache).forward(ids(24), torch.ones(1, 24, dtype=torch.long))
+    assert cache.signals == {} and not cache.pending_signals
+    with torch.no_grad():  # a transformers cache goes through untouched
+        llama(ids(10), past_key_values=DynamicCache(config=llama.config))
+
+
+# ---- d2o ------------------------------------------------------------------------------------
+def test_d2o_weighs_denser_layers_up_by_softmax_of_minus_the_normalised_variance():
+    valid = torch.ones(1, 2, 3, dtype=torch.bool)
+    # layer A: head 0 receives 1, 1, 1 (variance 0), head 1 receives 0, 0, 3 (mean 1, variance
+    # (1 + 1 + 4) / 2 = 3); min-max over heads -> 0 and 3 / (3 + 1e-6); e = their mean ~ 0.5
+    a = attention_spread(torch.tensor([[[1.0, 1.0, 1.0], [0.0, 0.0, 3.0]]]), valid)
+    assert math.isclose(float(a), 0.5 * 3 / (3 + 1e-6), rel_tol=1e-9)
+    # layer B: both heads variance 1 -> normalised 0 and 0 -> e = 0
+    b = attention_spread(torch.tensor([[[2.0, 0.0, 1.0], [0.0, 2.0, 1.0]]]), valid)
+    assert float(b) == 0.0
+    # weights 2 softmax(-0.5, 0) = 2 e^-0.5 / (e^-0.5 + 1), 2 / (e^-0.5 + 1) = 0.7551, 1.2449
+    w = d2o_weights(torch.stack([a, b]))
+    assert torch.allclose(w.flatten(), torch.tensor([0.75508, 1.24492], dtype=torch.float64), atol=1e-4)
+    assert math.isclose(float(w.sum()), 2.0)
+    # a padded token does not count: head 1 of layer A with a fourth, invalid token
+    padded = torch.tensor([[[1.0, 1.0, 1.0, 0.0], [0.0, 0.0, 3.0, 99.0]]])
+    mask = torch.tensor([[[True, True, True, False], [True, True, True, False]]])
+    assert torch.allclose(attention_spread(padded, mask), a)
+
+
+def test_d2o_defaults_to_h2o_and_records_attention():
+    stack = Stack.parse("d2o")
+    assert stack.evictor.name == "h2o" and "attention_sum" in stack.needs
+    assert Stack.parse("d2o(snapkv)").needs >= {"attention_sum"}
+    assert Stack.parse("prefix").evictor.name == "snapkv" and Stack.parse("squeeze").needs == {"hidden_cosine"}
