@@ -83,3 +83,14 @@ def test_head_budgets_differ_and_the_bytes_held_follow_them(llama):
     token_bytes = cache.layers[0].token_bytes()
     assert [r["bytes"] for r in rows] == [t * token_bytes for t in tokens]  # measured: ragged heads, no padding
     assert cache.nbytes() <= 0.5 * cache.full_nbytes()
+
+
+def test_the_issue_s_compositions_run_within_budget_and_equal_the_full_cache_at_budget_one(llama):
+    ids = torch.randint(3, 90, (1, 70), generator=torch.Generator().manual_seed(2)).to(llama.device)
+    mask = torch.ones_like(ids)
+    full = _Runner(llama, KVCache(llama)).forward(ids, mask)
+    for spec in ("pyramid(snapkv(window_size=4))", "adakv(keydiff)", "graphkv(snapkv(window_size=4))", "razor(knorm)"):
+        cache = KVCache(llama, spec, 0.5)
+        _Runner(llama, cache).forward(ids, mask)
+        assert cache.compressions > 0 and cache.nbytes() <= 0.5 * cache.full_nbytes(), spec
+        assert torch.equal(_Runner(llama, KVCache(llama, spec, 1.0)).forward(ids, mask), full), spec

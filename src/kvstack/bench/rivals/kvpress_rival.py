@@ -30,6 +30,8 @@ COUNTERPART = {
     "keydiff": "keydiff",
     "lagkv": "lagkv",
     "pyramid": "pyramidkv",
+    "adakv": "adakv",
+    "kvzip": "kvzip",
 }
 
 
