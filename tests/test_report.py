@@ -143,3 +143,27 @@ def test_fidelity_is_reported_apart_from_the_mean_over_answer_tasks(tmp_path):
     assert mean_score(points, "snapkv", "0.5", "fidelity") == pytest.approx(0.9)
     text = write_report(tmp_path).read_text()
     assert MEAN in text and "<td>snapkv</td><td>0.5</td><td>0.900</td><td>0.050</td><td>12.50</td>" in text
+
+
+def test_a_crowded_plot_draws_the_best_methods_and_their_rivals_only():
+    from kvstack.bench.report import Point, kvstack_method, line_styles, plotted
+
+    def point(method, score):
+        return Point(method, "0.25", "niah_single", score, 0.25, 1, 1.0, 0.1, 10.0)
+
+    scores = {"adakv(snapkv)": 0.9, "snapkv": 0.8, "knorm": 0.2, "tova": 0.1, "streaming": 0.7}
+    rivals = {"kvpress:adakv": 0.5, "kvpress:knorm": 0.3, "kvpress:snapkv": 0.6, "kvpress:expected_attention": 0.4}
+    points = [point(m, s) for m, s in {**scores, **rivals, "full": 1.0}.items()]
+    assert plotted(points, top=2) == [
+        "adakv(snapkv)",
+        "snapkv",
+        "kvpress:adakv",
+        "kvpress:expected_attention",
+        "kvpress:snapkv",
+    ]
+    assert (
+        kvstack_method("kvpress:adakv", scores) == "adakv(snapkv)"
+        and kvstack_method("kvpress:adakv", ["adakv"]) is None
+    )
+    styles = line_styles(["adakv(snapkv)", "kvpress:adakv"])
+    assert styles["adakv(snapkv)"]["color"] == styles["kvpress:adakv"]["color"]  # one paper, one colour

@@ -93,8 +93,10 @@ def plot_group(group: Group, points: list[Point], path: Path) -> None:
     fig, axes = plt.subplots(rows, columns, figsize=(4.2 * columns, 3.6 * rows), squeeze=False)
     for ax in axes.flat[len(tasks) :]:
         ax.set_visible(False)
-    methods = sorted({p.method for p in points if p.method != "full"}, key=lambda m: (m.startswith("kvpress:"), m))
+    methods = sorted(plotted(points), key=lambda m: (m.startswith("kvpress:"), m))
     styles = line_styles(methods)
+    shown = len([m for m in methods if not m.startswith("kvpress:")])
+    total = len({p.method for p in points if p.method != "full" and not p.method.startswith("kvpress:")})
     for ax, task in zip(axes.flat, tasks, strict=False):
         for p in points:
             if p.task == task and p.method == "full":
@@ -122,26 +124,51 @@ def plot_group(group: Group, points: list[Point], path: Path) -> None:
         list(legend.values()), list(legend), fontsize=8, loc="center left", bbox_to_anchor=(1.0, 0.5), frameon=False
     )
     model, mode, length = group
-    fig.suptitle(f"{model} - {tokens_label(length)} - query-{mode}")
+    best = f" - the {shown} best of {total} methods by mean score" if shown < total else ""
+    fig.suptitle(f"{model} - {tokens_label(length)} - query-{mode}{best}")
     fig.tight_layout()
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
 
 
-def kvstack_method(rival: str) -> str | None:
-    """`kvpress:snapkv` -> `snapkv`: the kvstack method implementing the same paper, if any."""
+def kvstack_method(rival: str, methods: Iterable[str] | None = None) -> str | None:
+    """`kvpress:snapkv` -> `snapkv`: the kvstack method implementing the same paper, if any; among
+    `methods`, its label with default parameters (`kvpress:adakv` -> `adakv(snapkv)`)."""
     from kvstack.bench.rivals.kvpress_rival import COUNTERPART
+    from kvstack.stack import Stack
 
     press = rival.partition(":")[2]
-    return next((m for m, p in COUNTERPART.items() if p == press), None)
+    name = next((m for m, p in COUNTERPART.items() if p == press), None)
+    if name is None or methods is None:
+        return name
+    label = Stack.parse(name).label
+    return label if label in set(methods) else None
+
+
+def paper_of(method: str) -> str:
+    """The paper a result line belongs to: `adakv(snapkv)` and `kvpress:adakv` -> `adakv`."""
+    if method.startswith("kvpress:"):
+        return kvstack_method(method) or method
+    return method.split("(")[0].split("+")[0]
+
+
+PLOT_LINES = 8  # kvstack methods drawn per plot (the best by mean score), beside their kvpress counterparts
+
+
+def plotted(points: list[Point], top: int = PLOT_LINES) -> list[str]:
+    """The methods a plot draws: the `top` kvstack methods by mean score over every budget, their
+    kvpress counterparts, and any kvpress press without a counterpart (a crowded plot reads at a
+    glance no more; the tables list every method)."""
+    ours = sorted({p.method for p in points if p.method != "full" and not p.method.startswith("kvpress:")})
+    best = sorted(ours, key=lambda m: -(mean_score(points, m, None) or 0.0))[:top]
+    papers = {paper_of(m) for m in best}
+    rivals = sorted({p.method for p in points if p.method.startswith("kvpress:")})
+    return best + [r for r in rivals if paper_of(r) in papers or paper_of(r) == r]
 
 
 def line_styles(methods: list[str]) -> dict[str, dict[str, Any]]:
     """One colour per paper: kvstack's line solid with dots, kvpress's counterpart dashed with crosses."""
     from matplotlib import colormaps
-
-    def paper_of(method: str) -> str:
-        return (kvstack_method(method) or method) if method.startswith("kvpress:") else method
 
     papers = dict.fromkeys(paper_of(m) for m in methods)
     palette = colormaps["tab10" if len(papers) <= 10 else "tab20"].colors
@@ -239,7 +266,7 @@ def speed_table(points: list[Point]) -> str:
 def rival_table(points: list[Point]) -> str:
     """HTML: each kvstack method beside its kvpress counterpart, over the tasks both ran: score, bytes, time."""
     methods = {p.method for p in points}
-    pairs = sorted((ours, r) for r in methods if r.startswith("kvpress:") and (ours := kvstack_method(r)) in methods)
+    pairs = sorted((ours, r) for r in methods if r.startswith("kvpress:") and (ours := kvstack_method(r, methods)))
     rows = []
     for ours, theirs in pairs:
         for budget in budgets_of(points):
