@@ -167,3 +167,25 @@ def test_a_crowded_plot_draws_the_best_methods_and_their_rivals_only():
     )
     styles = line_styles(["adakv(snapkv)", "kvpress:adakv"])
     assert styles["adakv(snapkv)"]["color"] == styles["kvpress:adakv"]["color"]  # one paper, one colour
+
+
+def test_the_leaderboard_ranks_by_mean_score_beside_the_kvpress_counterpart():
+    from kvstack.bench.report import Point, leaderboard
+
+    def point(method, task, score, compress, prefill=2.0):
+        return Point(method, "0.125", task, score, 0.13, 1, prefill, compress, 10.0)
+
+    points = [
+        point("snapkv", "niah_single", 1.0, 0.5),
+        point("snapkv", "qa", 0.0, 0.3),  # mean 0.5, compress 0.4 / prefill 2 = 0.2
+        point("knorm", "niah_single", 0.5, 0.1),
+        point("knorm", "qa", 0.7, 0.1),  # mean 0.6
+        point("kvpress:snapkv", "niah_single", 0.25, 1.0, prefill=1.0),
+        point("kvpress:snapkv", "qa", 0.25, 1.0, prefill=1.0),
+        point("full", "niah_single", 1.0, 0.0),
+        point("snapkv", "fidelity", 0.99, 0.0),  # not an answer task: never in the mean
+    ]
+    board = leaderboard(points, "0.125", top=5)
+    assert [(s.method, round(s.score, 2)) for s in board] == [("knorm", 0.6), ("snapkv", 0.5)]
+    assert board[1].rival == "kvpress:snapkv" and board[1].rival_score == 0.25 and board[1].rival_compress_share == 1.0
+    assert board[1].compress_share == pytest.approx(0.2) and board[0].rival is None

@@ -302,7 +302,25 @@ def _report(out_dir: Path) -> Path:
         out.print(_score_table(f"{where}: mean score over {', '.join(tasks)}", points, MEAN))
         if "fidelity" not in tasks and any(p.task == "fidelity" for p in points):
             out.print(_score_table(f"{where}: fidelity, top-1 agreement with the full cache", points, "fidelity"))
+        out.print(_leaderboard(f"{where}: top 5 by mean score", points))
     return write_report(out_dir, groups)
+
+
+def _leaderboard(title: str, points: list[Point]) -> Table:
+    """Per budget the five best methods, each beside its kvpress counterpart, with compression cost."""
+    from kvstack.bench.report import budgets_of, leaderboard
+
+    table = Table(title=title)
+    for col in ("budget", "#", "method", "score", "compress/prefill", "kvpress", "score ", "compress/prefill "):
+        table.add_column(col, no_wrap=col in ("method", "kvpress"))
+    for budget in budgets_of(points):
+        for i, s in enumerate(leaderboard(points, budget), 1):
+            rival = "-" if s.rival_score is None else f"{s.rival_score:.2f}"
+            share = "-" if s.rival_compress_share is None else f"{s.rival_compress_share:.2f}"
+            table.add_row(
+                budget, str(i), s.method, f"{s.score:.2f}", f"{s.compress_share:.2f}", s.rival or "-", rival, share
+            )
+    return table
 
 
 def _score_table(title: str, points: list[Point], task: str) -> Table:

@@ -225,6 +225,72 @@ def score_table(points: list[Point]) -> str:
     return f"<div class='tables'>{''.join(parts)}</div>"
 
 
+@dataclass(frozen=True)
+class Standing:
+    """One line of a leaderboard: a kvstack method's mean score at a budget and its kvpress counterpart's."""
+
+    method: str
+    score: float
+    compress_share: float  # compression time / prefill time, means over the answer tasks
+    rival: str | None
+    rival_score: float | None
+    rival_compress_share: float | None
+
+
+def leaderboard(points: list[Point], budget: str, top: int = 5) -> list[Standing]:
+    """The `top` kvstack methods by mean score over the answer tasks at `budget`, best first (ties by
+    name), each with its kvpress counterpart (same paper) where the sweep ran one."""
+    tasks = answer_tasks(points)
+    methods = {p.method for p in points}
+    rivals = {kvstack_method(r, methods): r for r in methods if r.startswith("kvpress:")}
+
+    def share(method: str) -> float | None:
+        cell = [p for p in points if p.method == method and p.budget == budget and p.task in tasks]
+        return _mean(p.compress_s for p in cell) / _mean(p.prefill_s for p in cell) if cell else None
+
+    ours = [m for m in methods if m != "full" and not m.startswith("kvpress:")]
+    ranked = sorted(
+        ((score, m) for m in ours if (score := mean_score(points, m, budget)) is not None), key=lambda x: (-x[0], x[1])
+    )
+    out = []
+    for score, method in ranked[:top]:
+        rival = rivals.get(method)
+        out.append(
+            Standing(
+                method,
+                score,
+                share(method) or 0.0,
+                rival,
+                mean_score(points, rival, budget) if rival else None,
+                share(rival) if rival else None,
+            )
+        )
+    return out
+
+
+def leaderboard_table(points: list[Point], top: int = 10) -> str:
+    """HTML: per budget, the best kvstack methods with their kvpress counterparts and compression cost."""
+    parts = []
+    for budget in budgets_of(points):
+        board = leaderboard(points, budget, top)
+        if not board:
+            continue
+        rows = "".join(
+            f"<tr><td>{i}</td><td>{html.escape(s.method)}</td><td>{s.score:.2f}</td><td>{s.compress_share:.2f}</td>"
+            f"<td>{html.escape(s.rival or '-')}</td><td>{_fmt(s.rival_score)}</td>"
+            f"<td>{_fmt(s.rival_compress_share)}</td></tr>"
+            for i, s in enumerate(board, 1)
+        )
+        parts.append(
+            f"<div><h3>budget {html.escape(budget)}</h3><table><tr><th>#</th><th>method</th><th>mean score</th>"
+            "<th>compress / prefill</th><th>kvpress</th><th>score</th><th>compress / prefill</th></tr>"
+            f"{rows}</table></div>"
+        )
+    if not parts:
+        return ""
+    return f"<h3>leaderboard (mean over the answer tasks)</h3><div class='tables'>{''.join(parts)}</div>"
+
+
 def fidelity_table(points: list[Point]) -> str:
     """HTML: teacher-forced agreement with the full cache: top-1, KL divergence and perplexity."""
     rows = [
@@ -324,7 +390,8 @@ def write_report(out_dir: Path, groups: dict[Group, list[Point]] | None = None) 
         sections.append(
             f"<h2>{html.escape(model)} - {tokens_label(length)} - query-{mode} ({n}+ samples per cell)</h2>"
             f'<img src="{png.name}" alt="score vs KV ratio">'
-            f"{score_table(points)}{rival_table(points)}{fidelity_table(points)}<h3>speed</h3>{speed_table(points)}"
+            f"{leaderboard_table(points)}{score_table(points)}{rival_table(points)}{fidelity_table(points)}"
+            f"<h3>speed</h3>{speed_table(points)}"
         )
     page = (
         "<!doctype html><html><head><meta charset='utf-8'><title>kvstack report</title><style>"
