@@ -49,3 +49,16 @@ def test_reread_scores_are_the_max_attention_of_the_reconstruction_queries(llama
         for h in range(layer.n_kv_heads):
             expected = rows[2 * h : 2 * h + 2].amax(dim=(0, 1))  # group of 2 query heads per KV head
             torch.testing.assert_close(layer.stats["reconstruction"][h][0], expected, atol=1e-5, rtol=1e-4)
+
+
+def test_decoding_without_the_rereading_pass_is_a_one_line_error(llama):
+    import pytest
+
+    from kvstack.errors import UserError
+
+    ids = torch.randint(3, 90, (1, 40), generator=torch.Generator().manual_seed(3))
+    cache = KVCache(llama, "kvzip", 0.5)
+    with torch.no_grad(), pytest.raises(UserError, match="kvstack.generate"):
+        llama.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, past_key_values=cache, pad_token_id=0
+        )

@@ -19,6 +19,7 @@ from kvstack.cache import statistics
 from kvstack.cache.attention import ATTENTION, LayerView, register
 from kvstack.cache.budget import Budget, tokens_to_keep
 from kvstack.cache.layer import CompressedLayer, SequenceState
+from kvstack.errors import UserError
 from kvstack.methods.base import Observation, recent_mask
 from kvstack.methods.select import select
 from kvstack.models.rope import layer_frequencies
@@ -299,7 +300,12 @@ class KVCache(Cache):
         method = self.stack.evictor
         if method is None or self.budget.is_full:
             return
-        if not decoding and self.waiting:
+        if self.waiting:
+            if decoding:
+                raise UserError(
+                    f"{self.stack.label} scores by re-reading the prompt, which kvstack's own loop runs: "
+                    "use kvstack.generate / `kvstack generate` (model.generate cannot run that pass)"
+                )
             return
         if self.stack.whole_prompt and not decoding:
             if layer.layer_idx == len(self.layers) - 1 and not self.pending_signals:  # else hidden.py calls it
