@@ -218,3 +218,43 @@ def test_parameters_are_checked():
             Stack.parse(spec)
     assert Stack.parse("razor").label == "razor(streaming)"
     assert Stack.parse("razor(knorm)").evictor.name == "knorm"
+
+
+def test_razor_folds_what_a_head_evicts_into_one_compensation_token():
+    from helpers import layer_with
+
+    keys = torch.arange(8.0).view(1, 1, 8, 1).expand(1, 1, 8, 2).clone()  # token i has key (i, i)
+    values = 10 * keys
+    layer = layer_with(keys, values)
+    slots = torch.arange(8).view(1, 1, 8)
+    dropped = torch.tensor([[[False, True, True, True, True, False, False, False]]])
+    keep = torch.tensor([[0, 5, 6, 7]])
+    from kvstack.methods.select import Keep
+
+    layer.apply(Keep(index=keep.view(1, 1, 4), count=torch.tensor([[4]])))
+    layer.fold(dropped, keys, values, slots)
+    # by hand: tokens 1..4 averaged -> key (2.5, 2.5), value 25, at slot 1 between the sink and the recent ones
+    assert layer.slots[0][0].tolist() == [0, 1, 5, 6, 7]
+    assert layer.keys[0][0, :, 0].tolist() == [0.0, 2.5, 5.0, 6.0, 7.0] and layer.values[0][0, 1, 0] == 25.0
+    assert layer.comp_count.tolist() == [[4.0]]
+    # evicting 5 and 6 later: the running mean over the six tokens it now stands for, (1+2+3+4+5+6)/6
+    dense = layer.dense(layer.keys), layer.dense(layer.values), layer.dense_slots()
+    layer.apply(Keep(index=torch.tensor([[[0, 1, 4]]]), count=torch.tensor([[3]])))
+    layer.fold(torch.tensor([[[False, False, True, True, False]]]), *dense)
+    assert (
+        layer.slots[0][0].tolist() == [0, 1, 7]
+        and layer.keys[0][0, 1, 0] == 3.5
+        and layer.comp_count.tolist() == [[6.0]]
+    )
+
+
+def test_razor_holds_its_budget_with_the_compensation_tokens(llama, calibration_dir):
+    ids = torch.randint(3, 90, (1, 80), generator=torch.Generator().manual_seed(0)).to(llama.device)
+    cache = KVCache(llama, "razor(induction=0.25, echo=0.0)", 0.25)
+    runner = _Runner(llama, cache)
+    runner.forward(ids, torch.ones_like(ids))
+    for t in range(20):
+        runner.forward(torch.tensor([[5 + t]]), torch.ones(1, 1, dtype=torch.long))
+        assert cache.nbytes() <= 0.25 * cache.full_nbytes()  # compensation tokens and their bookkeeping included
+    folded = [layer.comp_count for layer in cache.layers if layer.comp_count is not None]
+    assert folded and any(bool((c > 0).any()) for c in folded)  # non-retrieval heads folded what they evicted

@@ -74,6 +74,11 @@ class Stack:
         return self.cadence.decode_window if self.cadence is not None else 0
 
     @property
+    def compensates(self) -> bool:
+        """True when evicted tokens are averaged into a compensation token per head (RazorAttention)."""
+        return any(getattr(s, "compensate", False) for s in self.selection)
+
+    @property
     def allocators(self) -> list[Allocator]:
         """The budget allocators around the evictor, outermost first."""
         return [s for s in self.selection if isinstance(s, Allocator)]

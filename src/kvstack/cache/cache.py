@@ -379,9 +379,24 @@ class KVCache(Cache):
         every = self.stack.every
         if decoding and every > 1:  # evict ahead so the next `every - 1` steps fit
             keep = torch.maximum(keep - (every - 1), torch.clamp(counts, max=self.stack.min_tokens))
+        folding = self.stack.compensates
+        if folding:  # the compensation token is kept, and one place is left for a new one
+            token = layer.compensation_mask(obs.slots)
+            scores = torch.where(token, torch.full_like(scores, float("inf")), scores)
+            protected = token if protected is None else protected | token
+            keep = torch.where(over & ~token.any(-1), (keep - 1).clamp(min=1), keep)
         keep = torch.where(over, keep, counts)
         obs.keep = keep
-        layer.apply(select(scores, obs.valid, obs.slots, keep, protected))
+        decision = select(scores, obs.valid, obs.slots, keep, protected)
+        if folding:
+            kept = torch.zeros_like(obs.valid)
+            real = torch.arange(decision.index.shape[-1], device=kept.device) < decision.count.unsqueeze(-1)
+            kept.scatter_(-1, decision.index, real)
+            dropped = obs.valid & ~kept
+            dense_keys, dense_values, dense_slots = obs.keys, obs.values, obs.slots
+        layer.apply(decision)
+        if folding:
+            layer.fold(dropped, dense_keys, dense_values, dense_slots)
         self.compress_clock.stop(start)
         self.compressions += 1
 

@@ -89,6 +89,10 @@ class CompressedLayer:
         self.query_slots: torch.Tensor | None = None  # (w,)
         self.stats: dict[str, list[torch.Tensor]] = {}  # name -> per head (b, t_h) float32
         self.inv_freq: torch.Tensor | None = None  # (d/2,) RoPE inverse frequencies, when known
+        # a compensation token per head (RazorAttention): its slot (b, h), -1 = none, and how many
+        # evicted tokens it averages (b, h); None until a stack folds evicted tokens
+        self.comp_slot: torch.Tensor | None = None
+        self.comp_count: torch.Tensor | None = None
 
     # ---- reading -------------------------------------------------------------------------
     @property
@@ -139,8 +143,10 @@ class CompressedLayer:
         return self.valid_mask(self.dense_slots()).sum(-1)
 
     def nbytes(self) -> int:
-        """Bytes of storage this layer keeps alive for attention: keys, values, slots."""
-        return storage_bytes([*self.keys, *self.values, *(self.slots or [])])
+        """Bytes of storage this layer keeps alive for attention: keys, values, slots (and the
+        compensation tokens' bookkeeping)."""
+        comp = [t for t in (self.comp_slot, self.comp_count) if t is not None]
+        return storage_bytes([*self.keys, *self.values, *(self.slots or []), *comp])
 
     def head_nbytes(self, h: int) -> int:
         """Bytes of storage head h keeps alive."""
@@ -212,6 +218,77 @@ class CompressedLayer:
                 new_stats[name].append(torch.gather(per_head[h], 1, idx))
         self.keys, self.values, self.slots, self.stats = new_keys, new_values, new_slots, new_stats
 
+    def fold(self, dropped: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor) -> None:
+        """Average the tokens just evicted into each head's compensation token (RazorAttention).
+
+        dropped (b, h, t): the evicted tokens in the dense view taken before `apply`; keys, values
+        (b, h, t, d) and slots (b, h, t) that view. A head without a compensation token gets one at
+        its first evicted slot; one that has it updates the running mean (count-weighted). The
+        token is an ordinary entry for attention (the reference code gives it no extra weight).
+        Call after `apply`, which must have kept the existing compensation tokens.
+        """
+        b, h = dropped.shape[:2]
+        device = dropped.device
+        if self.comp_slot is None or self.comp_count is None:
+            self.comp_slot = torch.full((b, h), -1, dtype=torch.long, device=device)
+            self.comp_count = torch.zeros(b, h, dtype=torch.float32, device=device)
+        n_new = dropped.sum(-1).float()  # (b, h)
+        if not bool((n_new > 0).any()):
+            return
+        weight = dropped.float().unsqueeze(-1)
+        sum_k, sum_v = (keys.float() * weight).sum(2), (values.float() * weight).sum(2)  # (b, h, d)
+        first = torch.where(dropped, slots, torch.full_like(slots, torch.iinfo(torch.long).max)).amin(-1)
+        assert self.slots is not None
+        # a token a sliding window has since dropped is gone: its head starts a new one
+        has = torch.stack(
+            [
+                ((self.slots[hh].long() == self.comp_slot[:, hh : hh + 1]) & (self.comp_slot[:, hh : hh + 1] >= 0)).any(
+                    1
+                )
+                for hh in range(h)
+            ],
+            dim=1,
+        )  # (b, h)
+        self.comp_count = torch.where(has, self.comp_count, torch.zeros_like(self.comp_count))
+        slot = torch.where(has, self.comp_slot, first)
+        for hh in range(h):
+            rows = n_new[:, hh] > 0
+            if not bool(rows.any()):
+                continue
+            k_h, v_h, s_h = self.keys[hh], self.values[hh], self.slots[hh].long()
+            at = (s_h == slot[:, hh : hh + 1]) & has[:, hh : hh + 1]  # (b, t_h) the existing token
+            old_k = (k_h.float() * at.unsqueeze(-1)).sum(1)
+            old_v = (v_h.float() * at.unsqueeze(-1)).sum(1)
+            n_old = self.comp_count[:, hh]
+            total = (n_old + n_new[:, hh]).clamp(min=1).unsqueeze(-1)
+            new_k = ((old_k * n_old.unsqueeze(-1) + sum_k[:, hh]) / total).to(k_h.dtype)
+            new_v = ((old_v * n_old.unsqueeze(-1) + sum_v[:, hh]) / total).to(v_h.dtype)
+            insert = rows & ~has[:, hh]
+            if bool(insert.any()):  # one more entry, placed in slot order (empty where not inserted)
+                k_h = torch.cat([k_h, new_k.unsqueeze(1)], dim=1)
+                v_h = torch.cat([v_h, new_v.unsqueeze(1)], dim=1)
+                s_h = torch.cat([s_h, torch.where(insert, slot[:, hh], -1).unsqueeze(1)], dim=1)
+                at = torch.cat([at, insert.unsqueeze(1)], dim=1)
+                order = torch.argsort(torch.where(s_h < 0, torch.iinfo(torch.long).max, s_h), dim=1, stable=True)
+                k_h = torch.gather(k_h, 1, order.unsqueeze(-1).expand_as(k_h))
+                v_h = torch.gather(v_h, 1, order.unsqueeze(-1).expand_as(v_h))
+                at, s_h = torch.gather(at, 1, order), torch.gather(s_h, 1, order)
+                for per_head in self.stats.values():
+                    x = torch.cat([per_head[hh], per_head[hh].new_zeros(b, 1)], dim=1)
+                    per_head[hh] = torch.gather(x, 1, order)
+            update = at & rows.unsqueeze(1)
+            self.keys[hh] = torch.where(update.unsqueeze(-1), new_k.unsqueeze(1), k_h)
+            self.values[hh] = torch.where(update.unsqueeze(-1), new_v.unsqueeze(1), v_h)
+            self.slots[hh] = s_h.to(SLOT_DTYPE)
+        self.comp_count = torch.where(n_new > 0, self.comp_count + n_new, self.comp_count)
+        self.comp_slot = torch.where(n_new > 0, slot, torch.where(has, self.comp_slot, -1))
+
+    def compensation_mask(self, slots: torch.Tensor) -> torch.Tensor:
+        """(b, h, t) True where the dense view holds a head's compensation token."""
+        if self.comp_slot is None:
+            return torch.zeros_like(slots, dtype=torch.bool)
+        return (slots == self.comp_slot.unsqueeze(-1)) & (self.comp_slot.unsqueeze(-1) >= 0)
+
     def trim_window(self) -> None:
         """Sliding layers: drop tokens no future query can see (older than window - 1 real tokens)."""
         if self.sliding_window is None or not self.keys:
@@ -263,3 +340,5 @@ class CompressedLayer:
         self.stats = {n: [x[index] for x in ph] for n, ph in self.stats.items()}
         if self.queries is not None:
             self.queries = self.queries[index]
+        if self.comp_slot is not None and self.comp_count is not None:
+            self.comp_slot, self.comp_count = self.comp_slot[index], self.comp_count[index]

@@ -52,10 +52,14 @@ class Razor(Calibrated):
 
     Deviations: the reference repeats 2500 random ids (here min(256, max_position_embeddings / 8),
     enough to tell the heads apart at a fraction of the cost) and gives the non-retrieval heads a
-    fixed 4 sinks + 256 recent tokens (here: whatever the budget leaves them). Left out: the
-    paper's compensation token (the mean of the dropped keys and values, appended as one extra
-    token to each non-retrieval head) needs synthetic-token support in the cache, which does not
-    exist yet.
+    fixed 4 sinks + 256 recent tokens (here: whatever the budget leaves them).
+
+    Compensation token (`compensate`, on by default): what a head evicts is averaged into one
+    extra token of that head (keys post-RoPE and values, a running mean over everything it has
+    evicted, at the slot of its first evicted token), inside the budget; attention treats it as an
+    ordinary token, as the reference code does (wrappers/vllm_mindspore attention_wrappers.py,
+    `_compress`); the count-weighted form of the paper's equation is left to merging, which adds
+    per-token weights to the cache. Retrieval heads keep everything, so only the others fold.
 
     Shapes: calibration table (2, L, h_kv) (echo, induction); weights (L, b, h_kv).
     """
@@ -65,6 +69,7 @@ class Razor(Calibrated):
     scorer: Stage = field(default_factory=lambda: default_scorer("streaming"))
     induction: float = 0.14
     echo: float = 0.01
+    compensate: bool = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
