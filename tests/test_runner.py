@@ -128,8 +128,8 @@ def test_kvpress_runs_on_the_same_samples_with_measured_bytes(tmp_path):
     sweep = Sweep("smollm2-135m", ("knorm",), ("0.5",), ("niah_single",), (1024,), samples=1, rivals=("kvpress:all",))
     store = Store(tmp_path / "results.sqlite")
     # kvpress's own pyramidkv breaks on transformers 5.2 (layers of different lengths meet one mask):
-    # the run goes on without it and says so; the other eight presses answer
-    assert run_sweep(lm, sweep, store) == 2 + 8
+    # the run goes on without it and says so; the other ten presses answer
+    assert run_sweep(lm, sweep, store) == 2 + 10
     rows = {r["method"]: r for r in store.rows()}
     assert rows["full"]["score"] == 1.0  # the needle is found with the full cache
     assert "kvpress:pyramidkv" not in rows
@@ -147,3 +147,5 @@ def test_kvpress_runs_on_the_same_samples_with_measured_bytes(tmp_path):
         assert 0.3 < row["kv_ratio"] < 0.75, (press, row["kv_ratio"])  # real eviction, measured
         assert row["peak_rss_mb"] > 200  # the kvpress process's own memory (it holds a copy of the model)
         assert row["answer"]
+    for press in ("adakv", "kvzip"):  # non-uniform head budgets: kvpress masks evicted pairs, frees nothing
+        assert rows[f"kvpress:{press}"]["kv_ratio"] == 1.0 and rows[f"kvpress:{press}"]["answer"]
