@@ -102,7 +102,8 @@ class _Runner:
             cache_position=torch.arange(start, self.mask.shape[1], device=device),
         )
         self.last_logits = out.logits[:, -1].float()
-        self.rows = [r + ids[i][chunk_mask[i].bool()].tolist() for i, r in enumerate(self.rows or [[]] * len(ids))]
+        if "reconstruction" in self.cache.needs:  # only KVzip re-reads the tokens: keep them for it alone
+            self.rows = [r + ids[i][chunk_mask[i].bool()].tolist() for i, r in enumerate(self.rows or [[]] * len(ids))]
         if ids.shape[1] > 1 and self.cache.waiting:
             _reread(self, self.rows)
         if "confidence" in self.cache.needs:

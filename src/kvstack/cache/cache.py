@@ -206,10 +206,11 @@ class KVCache(Cache):
 
     def uniform(
         self, layer: CompressedLayer, seen: int | None = None, like: CompressedLayer | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(base, room), both (b,): tokens each head keeps under a uniform split of the budget, and
-        the evictable tokens a full cache would hold (exempt tokens excluded), after `seen` slots.
-        `like` lends batch, device and token bytes to a layer the prompt has not reached yet."""
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(base, room, exempt), each (b,): tokens each head keeps under a uniform split of the
+        budget, the evictable tokens a full cache would hold, and the exempt ones it holds on top,
+        after `seen` slots. `like` lends batch, device and token bytes to a layer the prompt has
+        not reached yet."""
         ref = like or layer
         b, seen = ref.batch, layer.seen if seen is None else seen
         n_full = self.seq.real_counts(seen, b, device=ref.keys[0].device)
@@ -219,7 +220,7 @@ class KVCache(Cache):
             n_exempt = torch.minimum(n_exempt, n_full)
         room = n_full - n_exempt
         full_bytes = ref.token_bytes(explicit_slots=False)
-        return tokens_to_keep(self.budget, room, full_bytes, ref.token_bytes()), room
+        return tokens_to_keep(self.budget, room, full_bytes, ref.token_bytes()), room, n_exempt
 
     def n_exempt(self, layer: CompressedLayer, seen: int | None = None) -> torch.Tensor:
         """(b,) exempt real tokens among the first `seen` slots."""
@@ -237,16 +238,13 @@ class KVCache(Cache):
         same total is shared by `distribute` over every layer and head.
         """
         b, h = layer.batch, layer.n_kv_heads
-        base, room = self.uniform(layer)
+        base, room, n_exempt = self.uniform(layer)
         keep = base.unsqueeze(1).expand(b, h)
         if self.stack.allocators:
             weights = self.allocation_weights()
             if weights is not None:
                 keep = self.allocation(layer.seen, weights)[layer.layer_idx]
         keep = torch.maximum(keep, torch.clamp(room, max=self.stack.min_tokens).unsqueeze(1))
-        n_exempt = self.n_exempt(layer)
-        if layer.sliding_window:
-            n_exempt = torch.minimum(n_exempt, self.uniform(layer)[1] + n_exempt)
         return keep + n_exempt.unsqueeze(1)
 
     def allocation_weights(self) -> torch.Tensor | None:

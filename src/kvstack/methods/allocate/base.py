@@ -80,7 +80,8 @@ class Allocator(Stage):
 
     def __post_init__(self) -> None:
         if not isinstance(self.scorer, Stage) or self.scorer.family not in ("evict", "allocate"):
-            raise ValueError(f"{self.name}: scorer must be an eviction method such as snapkv, got {self.scorer!r}")
+            given = getattr(self.scorer, "name", self.scorer)
+            raise ValueError(f"{self.name}: scorer must be an eviction method such as snapkv, got {given!r}")
 
     @property
     def query_window(self) -> int:

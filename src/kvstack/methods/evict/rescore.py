@@ -22,7 +22,8 @@ class Rescorer(Method):
     def __post_init__(self) -> None:
         super().__post_init__()
         if not isinstance(self.scorer, Method) or not self.scorer.compresses:
-            raise ValueError(f"{self.name}: scorer must be an eviction scorer such as snapkv, got {self.scorer!r}")
+            given = getattr(self.scorer, "name", self.scorer)
+            raise ValueError(f"{self.name}: scorer must be an eviction scorer such as snapkv, got {given!r}")
 
     @property
     def query_window(self) -> int:
