@@ -5,7 +5,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvstack.cache.budget import Budget, tokens_to_keep
+from kvstack.cache.budget import Budget, Cost, tokens_to_keep
 from kvstack.errors import UserError
 
 
@@ -25,18 +25,18 @@ def test_bad_budgets_are_one_line_errors(bad):
 def test_fraction_pays_for_the_position_index():
     # 100 tokens, 256 bytes per token in a full cache, 260 once slots are stored:
     # 0.25 * 100 * 256 / 260 = 24.6 -> 24 tokens fit in a quarter of the bytes
-    keep = tokens_to_keep(Budget(fraction=0.25), torch.tensor([100]), 256, 260)
+    keep = tokens_to_keep(Budget(fraction=0.25), torch.tensor([100]), Cost(256, 260))
     assert keep.tolist() == [24]
     assert 24 * 260 <= 0.25 * 100 * 256 < 25 * 260
 
 
 def test_token_budget_is_capped_by_the_sequence():
-    assert tokens_to_keep(Budget(tokens=64), torch.tensor([10, 100]), 256, 260).tolist() == [10, 64]
+    assert tokens_to_keep(Budget(tokens=64), torch.tensor([10, 100]), Cost(256, 260)).tolist() == [10, 64]
 
 
 @given(st.floats(0.001, 1.0), st.integers(0, 100_000))
 def test_kept_bytes_never_exceed_the_budget(fraction, n):
-    keep = int(tokens_to_keep(Budget(fraction=fraction), torch.tensor([n]), 256, 260)[0])
+    keep = int(tokens_to_keep(Budget(fraction=fraction), torch.tensor([n]), Cost(256, 260))[0])
     assert keep <= n
     if fraction < 1.0:
         assert keep * 260 <= fraction * n * 256 + 1e-6

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 from dataclasses import MISSING, dataclass, fields
+from typing import Any
 
 from kvstack.cache.budget import Budget
 from kvstack.errors import UserError, unknown_name
@@ -35,6 +36,10 @@ class Stack:
         if len(evictors) > 1:
             names = " + ".join(s.name for s in evictors)
             raise UserError(f"'{spec}' stacks two eviction methods ({names}): keep one")
+        quantizers = [p for s in stages for p in s.chain() if hasattr(p, "codecs")]
+        if len(quantizers) > 1:
+            names = " + ".join(q.name for q in quantizers)
+            raise UserError(f"'{spec}' stacks two quantizers ({names}): keep one")
         return cls(stages)
 
     @property
@@ -74,6 +79,20 @@ class Stack:
         return self.cadence.decode_window if self.cadence is not None else 0
 
     @property
+    def quantizer(self) -> Any:
+        """The stage that decides how kept tokens are stored (a `Quantizer`, or MiKV), or None."""
+        for stage in self.stages:
+            for part in stage.chain():
+                if hasattr(part, "codecs"):
+                    return part
+        return None
+
+    @property
+    def demotes(self) -> bool:
+        """True when tokens the selection leaves out are kept at low precision (MiKV), not evicted."""
+        return self.evictor is not None and hasattr(self.evictor, "demote_codecs")
+
+    @property
     def compensates(self) -> bool:
         """True when evicted tokens are averaged into a compensation token per head (RazorAttention)."""
         return any(getattr(s, "compensate", False) for s in self.selection)
@@ -95,7 +114,7 @@ class Stack:
 
     @property
     def query_window(self) -> int:
-        return max((getattr(s, "query_window", 0) for s in self.stages), default=0)
+        return max((getattr(p, "query_window", 0) for s in self.stages for p in s.chain()), default=0)
 
     @property
     def min_tokens(self) -> int:
@@ -105,6 +124,12 @@ class Stack:
         """One-line error when a token budget is below what this stack needs per head."""
         if budget.tokens is not None and self.evictor is not None and budget.tokens < self.min_tokens:
             raise UserError(f"budget {budget} is below what {self.evictor.name} needs: use at least {self.min_tokens}t")
+        q = self.quantizer
+        if q is not None and budget.tokens is not None and q.residual > budget.tokens:
+            raise UserError(
+                f"{q.name}'s residual window ({q.residual} tokens) is larger than the budget {budget}: "
+                f"use {q.name}(residual={budget.tokens}) or a larger budget"
+            )
 
     def __str__(self) -> str:
         return "+".join(_format_stage(s) for s in self.stages)

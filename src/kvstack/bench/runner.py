@@ -128,11 +128,14 @@ class Sweep:
         return [(f"kvpress:{p}", p, str(Budget.parse(b))) for p in presses for b in self.budgets]
 
     def configs(self) -> list[tuple[Stack, Budget]]:
-        """(stack, budget) pairs, the full-cache reference first; specs are parsed (errors early)."""
+        """(stack, budget) pairs, the full-cache reference first; specs are parsed (errors early).
+        A quantizer without eviction runs once, at budget 1: its bytes are what its bits make them."""
         out = [(Stack.parse("full"), Budget.parse(1.0))]
         for spec in self.methods:
             stack = Stack.parse(spec)
             if stack.evictor is None:
+                if stack.quantizer is not None:
+                    out.append((stack, Budget.parse(1.0)))
                 continue
             out += [(stack, Budget.parse(b)) for b in self.budgets]
         return out

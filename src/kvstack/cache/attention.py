@@ -106,8 +106,9 @@ def kvstack_attention(
         slots = torch.arange(t, device=query.device)
         return _attend(
             query,
-            [key[:, h] for h in range(key.shape[1])],
-            [value[:, h] for h in range(key.shape[1])],
+            key.shape[1],
+            lambda h: key[:, h],
+            lambda h: value[:, h],
             lambda h: slots,
             slots[-query.shape[2] :],
             padding,
@@ -124,15 +125,26 @@ def kvstack_attention(
             ones = cache.seq.padding.new_ones(cache.seq.padding.shape[0], extra)
             cache.seq.padding = torch.cat([cache.seq.padding, ones], dim=1)
     padding = cache.seq.padding
-    out = _attend(query, layer.keys, layer.values, layer.head_slots, view.query_slots, padding, sliding_window, scale)
+    out = _attend(
+        query,
+        layer.n_kv_heads,
+        layer.head_keys,
+        layer.head_values,
+        layer.head_slots,
+        view.query_slots,
+        padding,
+        sliding_window,
+        scale,
+    )
     cache.observe(layer, query, view.query_slots, padding, sliding_window, scale)
     return out, None
 
 
 def _attend(
     query: torch.Tensor,
-    keys: list[torch.Tensor],
-    values: list[torch.Tensor],
+    n_kv_heads: int,
+    keys_of: Callable[[int], torch.Tensor],
+    values_of: Callable[[int], torch.Tensor],
     slots_of: Callable[[int], torch.Tensor],
     query_slots: torch.Tensor,
     padding: torch.Tensor | None,
@@ -141,12 +153,15 @@ def _attend(
 ) -> torch.Tensor:
     """Per KV head h: its group of queries (b, g, q, d) attends its own keys/values (b, t_h, d).
 
-    slots_of(h) gives head h's slots (b, t_h) or (t_h,); it is only called when a mask is needed.
+    keys_of(h), values_of(h) give head h's tensors (decoding encoded tokens one head at a time,
+    so the full-precision copy never spans the whole cache); slots_of(h) gives its slots (b, t_h)
+    or (t_h,), only called when a mask is needed.
     """
     b, n_q_heads, q, d = query.shape
-    g = n_q_heads // len(keys)
-    out = query.new_empty(b, n_q_heads, q, values[0].shape[-1])
-    for h, (k, v) in enumerate(zip(keys, values, strict=True)):
+    g = n_q_heads // n_kv_heads
+    out = query.new_empty(b, n_q_heads, q, d)
+    for h in range(n_kv_heads):
+        k, v = keys_of(h), values_of(h)
         qh = query[:, h * g : (h + 1) * g]
         k4, v4 = k.unsqueeze(1), v.unsqueeze(1)
         if q == 1 and padding is None:  # one new query sees every held token: older ones left the window

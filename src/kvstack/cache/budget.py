@@ -60,17 +60,47 @@ class Budget:
         return f"{self.tokens}t" if self.tokens is not None else f"{self.fraction:g}"
 
 
-def tokens_to_keep(budget: Budget, n_full: torch.Tensor, full_token_bytes: int, token_bytes: int) -> torch.Tensor:
-    """Tokens each head may keep so that its bytes stay within budget.
+@dataclass(frozen=True)
+class Cost:
+    """What one token costs one head, in bytes, by how it is stored (plain data for `tokens_to_keep`).
 
-    n_full: (...) tokens a full cache would hold for this head; full_token_bytes: bytes a full
-    cache spends per token and head (K and V); token_bytes: what the compressed storage spends
-    (K, V and the position index). Returns a tensor shaped like n_full, never above it.
+    full: a full cache's bytes per token (K and V); kept: a kept token once compressed (codes,
+    amortised metadata, slot); residual: how many of the newest kept tokens may still be held
+    at `residual_bytes` each (a quantizer's full-precision window); dropped: a token the
+    selection leaves out (0 when evicted, low-precision bytes when demoted, MiKV); fixed: bytes
+    per head that do not grow with tokens (a codebook).
+    """
+
+    full: int
+    kept: float
+    residual: int = 0
+    residual_bytes: float = 0.0
+    dropped: float = 0.0
+    fixed: float = 0.0
+
+    @property
+    def ratio(self) -> float:
+        """Bytes of a kept token over a full one, ignoring the residual window."""
+        return self.kept / self.full
+
+
+def tokens_to_keep(budget: Budget, n_full: torch.Tensor, cost: Cost) -> torch.Tensor:
+    """Tokens each head may keep (the rest evicted, or demoted) so its bytes stay within budget.
+
+    n_full: (...) tokens a full cache would hold for this head. Returns a tensor shaped like
+    n_full, never above it. A fraction budget allows `fraction * n_full * cost.full` bytes: the
+    newest `cost.residual` kept tokens at `residual_bytes`, the other kept ones at `kept`, the
+    others at `dropped`; a token budget counts tokens whatever they cost.
     """
     if budget.is_full:
         return n_full.clone()
     if budget.tokens is not None:
         return torch.clamp(n_full, max=budget.tokens)
     assert budget.fraction is not None
-    allowed = torch.floor(n_full.double() * budget.fraction * full_token_bytes / token_bytes).long()
-    return torch.minimum(allowed, n_full)
+    n = n_full.double()
+    allowed = n * budget.fraction * cost.full - cost.fixed - n * cost.dropped
+    r = torch.clamp(n, max=cost.residual)
+    with_residual = r + torch.floor((allowed - r * (cost.residual_bytes - cost.dropped)) / (cost.kept - cost.dropped))
+    within_residual = torch.floor(allowed / (max(cost.residual_bytes, cost.kept) - cost.dropped))
+    keep = torch.where(with_residual >= r, with_residual, torch.minimum(within_residual, r))
+    return torch.minimum(keep.clamp(min=0).long(), n_full)

@@ -17,7 +17,8 @@ from transformers.cache_utils import Cache
 
 from kvstack.cache import statistics
 from kvstack.cache.attention import ATTENTION, LayerView, register
-from kvstack.cache.budget import Budget, tokens_to_keep
+from kvstack.cache.budget import Budget, Cost, tokens_to_keep
+from kvstack.cache.encoded import Codec
 from kvstack.cache.layer import CompressedLayer, SequenceState
 from kvstack.errors import UserError
 from kvstack.methods.base import Observation, recent_mask
@@ -82,6 +83,16 @@ class KVCache(Cache):
             table = allocator.prepare(model_or_config)
             if table is not None:
                 self.calibration[allocator.kind] = table
+        self.codecs: tuple[Codec, Codec] | None = None  # how tokens beyond the residual window are stored
+        self.demote_codecs: tuple[Codec, Codec] | None = None  # how tokens a selection leaves out are (MiKV)
+        quantizer = self.stack.quantizer
+        if quantizer is not None:
+            quantizer.check(head_dim)
+            table = quantizer.prepare(model_or_config)
+            self.codecs = quantizer.codecs(table)
+            if self.stack.demotes:
+                self.demote_codecs = self.stack.evictor.demote_codecs()
+            self._check_alone(quantizer, head_dim, model_or_config)
         # recorded beyond what the stack needs, so that `fork` can serve other stacks
         self.extra_needs, self.extra_window = frozenset(observe), query_window
         self._source = model_or_config
@@ -97,6 +108,19 @@ class KVCache(Cache):
             from kvstack.cache.hidden import install
 
             install(model_or_config)  # hooks that measure the hidden states (SqueezeAttention)
+
+    def _check_alone(self, quantizer: Any, head_dim: int, source: Any) -> None:
+        """One-line error when a quantizer without eviction cannot reach the budget."""
+        if self.stack.evictor is not None or self.budget.fraction is None or self.budget.is_full:
+            return
+        dtype = getattr(source, "dtype", torch.bfloat16)
+        assert self.codecs is not None
+        ratio = sum(c.token_bytes(head_dim) for c in self.codecs) / (2 * head_dim * dtype.itemsize)
+        if ratio > self.budget.fraction:
+            raise UserError(
+                f"{self.stack.label} stores about {ratio:.3f} of the full bytes and evicts nothing, so budget "
+                f"{self.budget} is out of reach: add an eviction stage (snapkv+{self.stack.label}) or use budget 1.0"
+            )
 
     # ---- the transformers Cache API ------------------------------------------------------
     def update(
@@ -219,8 +243,21 @@ class KVCache(Cache):
             n_full = torch.clamp(n_full, max=layer.sliding_window - 1)
             n_exempt = torch.minimum(n_exempt, n_full)
         room = n_full - n_exempt
-        full_bytes = ref.token_bytes(explicit_slots=False)
-        return tokens_to_keep(self.budget, room, full_bytes, ref.token_bytes()), room, n_exempt
+        return tokens_to_keep(self.budget, room, self.cost(ref)), room, n_exempt
+
+    def cost(self, layer: CompressedLayer) -> Cost:
+        """What a token of `layer` costs by how the stack stores it (see `Cost`)."""
+        full = layer.token_bytes(explicit_slots=False)
+        slot = layer.token_bytes() - full
+        if self.codecs is None:
+            return Cost(full, full + slot)
+        d = layer.keys[0].shape[-1]
+        kept = sum(c.token_bytes(d) for c in self.codecs) + slot
+        group = max(c.token_group for c in self.codecs)
+        quantizer = self.stack.quantizer
+        dropped = sum(c.token_bytes(d) for c in self.demote_codecs) + slot if self.demote_codecs else 0.0
+        fixed = sum(c.fixed_bytes(d) for c in (*self.codecs, *(self.demote_codecs or ())))
+        return Cost(full, kept, quantizer.residual + group - 1, full + slot, dropped, fixed)
 
     def n_exempt(self, layer: CompressedLayer, seen: int | None = None) -> torch.Tensor:
         """(b,) exempt real tokens among the first `seen` slots."""
@@ -297,6 +334,7 @@ class KVCache(Cache):
         layer.trim_window()
         method = self.stack.evictor
         if method is None or self.budget.is_full:
+            self.encode(layer)
             return
         if self.waiting:
             if decoding:
@@ -335,14 +373,31 @@ class KVCache(Cache):
         method = self.stack.evictor
         assert method is not None
         keep = method.limit(self.keep_allowed(layer), decoding, self.confidence)
-        counts = layer.counts()
+        counts = layer.counts(exclude_demoted=self.stack.demotes)
         if any(a.splits for a in self.stack.allocators):  # heads share the layer's total: compare totals
             over = counts.sum(-1) > keep.sum(-1)  # (b,)
         else:
             over = counts > keep  # (b, h); heads within budget keep everything (batch-invariant)
-        if not bool(over.any()):
+        if bool(over.any()):
+            self.compress_layer(layer, keep, decoding)
+        self.encode(layer)
+
+    def encode(self, layer: CompressedLayer) -> None:
+        """Encode each head's oldest tokens held in the model's dtype beyond the quantizer's residual
+        window, in whole groups (the quantizer's token group)."""
+        quantizer = self.stack.quantizer
+        if quantizer is None or self.codecs is None or not layer.is_initialized:
             return
-        self.compress_layer(layer, keep, decoding)
+        started = self.compress_clock.start(layer.keys[0].device)
+        group = max(c.token_group for c in self.codecs)
+        for h in range(layer.n_kv_heads):
+            extra = layer.keys[h].shape[1] - quantizer.residual
+            count = extra // group * group
+            if count > 0:
+                g = layer.groups
+                queries = layer.queries[:, h * g : (h + 1) * g] if layer.queries is not None else None
+                layer.encode_oldest(h, count, quantizer, self.codecs, queries)
+        self.compress_clock.stop(started)
 
     def scores(self, obs: Observation) -> torch.Tensor:
         """(b, h, t) the evictor's scores, +inf on exempt tokens (never evicted)."""
@@ -364,6 +419,8 @@ class KVCache(Cache):
         assert method is not None
         start = self.compress_clock.start(layer.keys[0].device if layer.keys else None)
         obs = Observation(layer, keep, self.seq.token_index(), decoding, self.confidence)
+        if self.stack.demotes:  # tokens already at low precision stay there, outside the selection
+            obs.valid = obs.valid & ~layer.dense_demoted()
         scores = self.scores(obs)
         protected = None
         if decoding and self.stack.decode_window:
@@ -392,7 +449,7 @@ class KVCache(Cache):
             kept.scatter_(-1, decision.index, real)
             dropped = obs.valid & ~kept
             dense_keys, dense_values, dense_slots = obs.keys, obs.values, obs.slots
-        layer.apply(decision)
+        layer.apply(decision, self.demote_codecs)
         if folding:
             layer.fold(dropped, dense_keys, dense_values, dense_slots)
         self.compress_clock.stop(start)

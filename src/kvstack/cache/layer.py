@@ -1,17 +1,21 @@
 """One layer's KV storage: per KV head its own kept tokens, ragged across heads, no masking.
 
-Each head h holds keys and values (b, t_h, d) and the logical slot of each token (b, t_h).
-Slots stay implicit (a contiguous range, zero bytes) until the first eviction. A slot of -1
-marks an empty place, used only when sequences of one batch keep different counts.
+Each head h holds its tokens in parts: older tokens encoded by a quantizer (`Coded`, packed
+codes), then the newest in the model's dtype (keys, values (b, r_h, d)); and the logical slot
+of each token (b, t_h) in that storage order. Slots stay implicit (a contiguous range, zero
+bytes) until the first eviction. A slot of -1 marks an empty place, used only when sequences
+of one batch keep different counts. Methods see every head as one dense view sorted by slot.
 """
 
 from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
+from kvstack.cache.encoded import Codec, Encoded, Where, gather_rows
 from kvstack.methods.select import Keep
 
 SLOT_DTYPE = torch.int32
@@ -62,6 +66,40 @@ class SequenceState:
         return out
 
 
+@dataclass
+class Coded:
+    """Tokens of one head held encoded (keys and values), and whether a selection demoted them to
+    low precision instead of evicting them (MiKV)."""
+
+    keys: Encoded
+    values: Encoded
+    demoted: bool = False
+
+    @property
+    def n(self) -> int:
+        return self.keys.n
+
+    def take(self, index: torch.Tensor) -> Coded:
+        return Coded(self.keys.take(index), self.values.take(index), self.demoted)
+
+    def cat(self, other: Coded) -> Coded:
+        return Coded(self.keys.cat(other.keys), self.values.cat(other.values), self.demoted)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [*self.keys.tensors(), *self.values.tensors()]
+
+
+def compact(positions: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, the entries of positions (b, k) where mask holds, moved to the front in order:
+    (picked (b, k'), real (b, k')), k' the most any row picks; rows with fewer pad with 0."""
+    order = torch.argsort((~mask).to(torch.int8), dim=1, stable=True)
+    count = mask.sum(1)
+    k = int(count.max().item()) if count.numel() else 0
+    picked = torch.gather(positions, 1, order)[:, :k]
+    real = torch.arange(k, device=positions.device) < count.unsqueeze(1)
+    return torch.where(real, picked, torch.zeros_like(picked)), real
+
+
 class CompressedLayer:
     """KV storage of one attention layer (see module docstring)."""
 
@@ -80,8 +118,9 @@ class CompressedLayer:
         self.sliding_window = sliding_window
         self.is_sliding = sliding_window is not None
         self.seq = seq
-        self.keys: list[torch.Tensor] = []  # per head (b, t_h, d)
+        self.keys: list[torch.Tensor] = []  # per head (b, r_h, d): the tokens held in the model's dtype
         self.values: list[torch.Tensor] = []
+        self.coded: list[list[Coded]] = [[] for _ in range(n_kv_heads)]  # per head, older tokens encoded
         self.slots: list[torch.Tensor] | None = None  # per head (b, t_h) SLOT_DTYPE, None = implicit
         self.start = 0  # first slot while slots are implicit
         self.seen = 0  # logical slots appended so far
@@ -104,16 +143,52 @@ class CompressedLayer:
         return self.keys[0].shape[0] if self.keys else 0
 
     def head_len(self, h: int) -> int:
-        return self.keys[h].shape[1]
+        return sum(c.n for c in self.coded[h]) + self.keys[h].shape[1]
 
     def head_slots(self, h: int) -> torch.Tensor:
-        """(b, t_h) long slots of head h (or (t_h,) while implicit)."""
+        """(b, t_h) long slots of head h in storage order (or (t_h,) while implicit)."""
         if self.slots is None:
             return torch.arange(self.start, self.seen, device=self.keys[h].device)
         return self.slots[h].long()
 
+    def head_keys(self, h: int) -> torch.Tensor:
+        """(b, t_h, d) head h's keys in storage order, encoded parts decoded (a transient copy)."""
+        if not self.coded[h]:
+            return self.keys[h]
+        return torch.cat([*(c.keys.decode() for c in self.coded[h]), self.keys[h]], dim=1)
+
+    def head_values(self, h: int) -> torch.Tensor:
+        """(b, t_h, d) head h's values in storage order, encoded parts decoded."""
+        if not self.coded[h]:
+            return self.values[h]
+        return torch.cat([*(c.values.decode() for c in self.coded[h]), self.values[h]], dim=1)
+
+    @property
+    def is_coded(self) -> bool:
+        """True once some tokens are held encoded."""
+        return any(self.coded)
+
+    def storage_order(self, h: int) -> torch.Tensor | None:
+        """(b, t_h) the storage positions of head h sorted by slot (empty places last), or None
+        when storage is already in slot order (it is unless tokens of one head are held at
+        several precisions: MiKV's demoted ones, QAQ's per-token bit widths)."""
+        if len(self.coded[h]) < 2 and not any(c.demoted for c in self.coded[h]):
+            return None
+        slots = self.head_slots(h).expand(self.batch, -1)
+        key = torch.where(slots < 0, torch.iinfo(torch.long).max, slots)
+        if bool((key[:, 1:] >= key[:, :-1]).all()):
+            return None
+        return torch.argsort(key, dim=1, stable=True)
+
     def dense(self, per_head: list[torch.Tensor], fill: float = 0.0) -> torch.Tensor:
-        """Stack per-head tensors (b, t_h, ...) into (b, h, t_max, ...), padding with `fill`."""
+        """Stack per-head tensors (b, t_h, ...) in storage order into (b, h, t_max, ...) sorted by
+        slot, padding with `fill`."""
+        orders = [self.storage_order(h) for h in range(len(per_head))]
+        if any(o is not None for o in orders):
+            per_head = [
+                x if o is None else gather_rows(x.expand(o.shape[0], *x.shape[1:]), o)
+                for x, o in zip(per_head, orders, strict=True)
+            ]
         t_max = max(x.shape[1] for x in per_head)
         if all(x.shape[1] == t_max for x in per_head):
             return torch.stack(per_head, dim=1)
@@ -138,19 +213,33 @@ class CompressedLayer:
         flat = slots.clamp(min=0).reshape(b, -1)
         return ok & torch.gather(pad, 1, flat).reshape(slots.shape)
 
-    def counts(self) -> torch.Tensor:
-        """(b, h) real tokens held per head."""
-        return self.valid_mask(self.dense_slots()).sum(-1)
+    def counts(self, exclude_demoted: bool = False) -> torch.Tensor:
+        """(b, h) real tokens held per head (not counting demoted ones if asked)."""
+        valid = self.valid_mask(self.dense_slots())
+        if exclude_demoted:
+            valid = valid & ~self.dense_demoted()
+        return valid.sum(-1)
+
+    def dense_demoted(self) -> torch.Tensor:
+        """(b, h, t) True where the dense view holds a token a selection demoted (MiKV)."""
+        b = self.batch
+        flags = []
+        for h in range(self.n_kv_heads):
+            parts = [torch.full((b, c.n), c.demoted, dtype=torch.bool) for c in self.coded[h]]
+            flags.append(torch.cat([*parts, torch.zeros(b, self.keys[h].shape[1], dtype=torch.bool)], 1))
+        return self.dense([f.to(self.keys[0].device) for f in flags], fill=False).bool()
 
     def nbytes(self) -> int:
         """Bytes of storage this layer keeps alive for attention: keys, values, slots (and the
         compensation tokens' bookkeeping)."""
         comp = [t for t in (self.comp_slot, self.comp_count) if t is not None]
-        return storage_bytes([*self.keys, *self.values, *(self.slots or []), *comp])
+        coded = [t for parts in self.coded for c in parts for t in c.tensors()]
+        return storage_bytes([*self.keys, *self.values, *coded, *(self.slots or []), *comp])
 
     def head_nbytes(self, h: int) -> int:
-        """Bytes of storage head h keeps alive."""
-        return storage_bytes([self.keys[h], self.values[h], *([self.slots[h]] if self.slots else [])])
+        """Bytes of storage head h keeps alive (tables shared by heads, such as codebooks, included)."""
+        coded = [t for c in self.coded[h] for t in c.tensors()]
+        return storage_bytes([self.keys[h], self.values[h], *coded, *([self.slots[h]] if self.slots else [])])
 
     def aux_nbytes(self) -> int:
         """Bytes of what methods observe (queries, attention statistics), not part of the KV."""
@@ -181,6 +270,67 @@ class CompressedLayer:
             self.stats[name] = [torch.cat([x, x.new_zeros(x.shape[0], q)], dim=1) for x in per_head]
         self.seen = int(slots[-1]) + 1
 
+    def encode_oldest(
+        self, h: int, count: int, quantizer: Any, codecs: tuple[Codec, Codec], queries: torch.Tensor | None
+    ) -> None:
+        """Move head h's `count` oldest tokens held in the model's dtype into encoded parts, each
+        joined to the latest part with the same codecs. queries: (b, g, w, d) the head's observed
+        queries, for quantizers that use them (SQuat, QAQ). A quantizer may split the tokens into
+        several precisions: their slots and statistics move with them."""
+        if count <= 0:
+            return
+        keys, values = self.keys[h][:, :count], self.values[h][:, :count]
+
+        def observed() -> torch.Tensor | None:
+            return queries
+
+        where = Where(self.layer_idx, h, "key", observed)
+        encoded = quantizer.encode(keys, values, where, codecs, self)
+        start = sum(c.n for c in self.coded[h])
+        if len(encoded) > 1 or not torch.equal(encoded[0][2], torch.arange(count, device=encoded[0][2].device)):
+            self._regroup(h, start, encoded)
+        for enc_k, enc_v, _ in encoded:
+            part, parts = Coded(enc_k, enc_v), self.coded[h]
+            same = [
+                i
+                for i, p in enumerate(parts)
+                if not p.demoted and (p.keys.codec, p.values.codec) == (enc_k.codec, enc_v.codec)
+            ]
+            if same:
+                parts[same[-1]] = parts[same[-1]].cat(part)
+            else:
+                parts.append(part)
+        self.keys[h], self.values[h] = self.keys[h][:, count:].clone(), self.values[h][:, count:].clone()
+
+    def _regroup(self, h: int, start: int, encoded: list[tuple[Encoded, Encoded, torch.Tensor]]) -> None:
+        """Reorder head h's slots and statistics for tokens that leave the model's dtype as several
+        parts: `encoded` lists (keys, values, positions (n_i,) among the tokens leaving)."""
+        b = self.batch
+        slots = self.head_slots(h).expand(b, -1).to(SLOT_DTYPE)
+        if self.slots is None:
+            self.slots = [self.head_slots(i).expand(b, -1).to(SLOT_DTYPE).clone() for i in range(self.n_kv_heads)]
+        bounds, at = [], 0
+        for part in self.coded[h]:
+            bounds.append((part, at, at + part.n))
+            at += part.n
+        order: list[torch.Tensor] = []
+        pending = list(encoded)
+        device = slots.device
+        for part, lo, hi in bounds:
+            order.append(torch.arange(lo, hi, device=device))
+            for item in list(pending):
+                enc_k, enc_v, pos = item
+                if not part.demoted and (part.keys.codec, part.values.codec) == (enc_k.codec, enc_v.codec):
+                    order.append(start + pos.to(device))
+                    pending.remove(item)
+        order += [start + pos.to(device) for _, _, pos in pending]
+        leaving = sum(pos.numel() for _, _, pos in encoded)
+        order.append(torch.arange(start + leaving, slots.shape[1], device=device))
+        index = torch.cat(order)
+        self.slots[h] = slots[:, index]
+        for per_head in self.stats.values():
+            per_head[h] = per_head[h][:, index]
+
     def observe_queries(self, queries: torch.Tensor, slots: torch.Tensor, window: int) -> None:
         """Keep the last `window` queries (b, h*g, q, d) and their slots (q,)."""
         if window <= 0:
@@ -200,8 +350,85 @@ class CompressedLayer:
         else:
             per_head[h] = per_head[h] + value if accumulate else value
 
-    def apply(self, keep: Keep) -> None:
-        """Execute a decision: gather each head's kept tokens into new, smaller tensors."""
+    def apply(self, keep: Keep, demote: tuple[Codec, Codec] | None = None) -> None:
+        """Execute a decision: gather each head's kept tokens into new, smaller tensors.
+
+        With `demote` (key and value codecs), tokens the decision leaves out are encoded at that
+        low precision instead of freed, and tokens demoted before all stay (MiKV). Storage order
+        afterwards: kept encoded parts, the demoted part, the kept tokens in the model's dtype.
+        """
+        if not self.is_coded and demote is None:
+            self._apply_plain(keep)
+            return
+        b = self.batch
+        out_keys, out_values, out_slots, out_coded = [], [], [], []
+        out_stats: dict[str, list[torch.Tensor]] = {name: [] for name in self.stats}
+        for h in range(self.n_kv_heads):
+            k_h = int(keep.count[:, h].max().item())
+            idx = keep.index[:, h, :k_h]
+            real = torch.arange(k_h, device=idx.device) < keep.count[:, h : h + 1]
+            order = self.storage_order(h)
+            if order is not None:  # the decision indexes the slot-sorted view
+                idx = torch.gather(order, 1, idx)
+            slots = self.head_slots(h).expand(b, -1)
+            t = slots.shape[1]
+            kept = torch.zeros(b, t + 1, dtype=torch.bool, device=slots.device)
+            kept.scatter_(1, torch.where(real, idx, t), True)
+            kept = kept[:, :t]
+            positions = torch.arange(t, device=slots.device).expand(b, -1)
+            spans, lo = [], 0
+            for part in self.coded[h]:
+                spans.append((part, lo, lo + part.n))
+                lo += part.n
+            keep_low = demote is not None
+            pieces: list[tuple[Coded | None, torch.Tensor, torch.Tensor]] = []  # (part, picked positions, real)
+            low: list[tuple[Coded, torch.Tensor, torch.Tensor]] = []
+            for part, lo, hi in spans:
+                if part.demoted and keep_low:
+                    low.append((part, positions[:, lo:hi], torch.ones_like(kept[:, lo:hi])))
+                    continue
+                pick, ok = compact(positions[:, lo:hi], kept[:, lo:hi])
+                if pick.shape[1]:
+                    pieces.append((part.take((pick - lo).clamp(min=0)), pick, ok))
+            if demote is not None:  # what the decision left out, from every part not demoted before
+                fallen = self.valid_mask(slots) & ~kept
+                for part, lo, hi in spans:
+                    if part.demoted:
+                        fallen[:, lo:hi] = False
+                pick, ok = compact(positions, fallen)
+                if pick.shape[1]:
+                    keys_k = demote[0].encode(gather_rows(self.head_keys(h), pick), Where(self.layer_idx, h, "key"))
+                    keys_v = demote[1].encode(gather_rows(self.head_values(h), pick), Where(self.layer_idx, h, "value"))
+                    low.append((Coded(keys_k, keys_v, demoted=True), pick, ok))
+            if low:
+                merged = low[0][0]
+                for part, _, _ in low[1:]:
+                    merged = merged.cat(part)
+                pieces.append((merged, torch.cat([p for _, p, _ in low], 1), torch.cat([o for _, _, o in low], 1)))
+            lo = t - self.keys[h].shape[1]
+            pick, ok = compact(positions[:, lo:], kept[:, lo:])
+            out_keys.append(gather_rows(self.keys[h], (pick - lo).clamp(min=0)))
+            out_values.append(gather_rows(self.values[h], (pick - lo).clamp(min=0)))
+            pieces.append((None, pick, ok))
+            out_coded.append([part for part, _, _ in pieces if part is not None])
+            for _, pick, ok in pieces:
+                pick = pick.clamp(min=0)
+                out_slots.append(torch.where(ok, torch.gather(slots, 1, pick), torch.full_like(pick, -1)))
+                for name, per_head in self.stats.items():
+                    out_stats[name].append(torch.gather(per_head[h], 1, pick))
+            out_slots[-len(pieces) :] = [torch.cat(out_slots[-len(pieces) :], 1).to(SLOT_DTYPE)]
+            for name in self.stats:
+                out_stats[name][-len(pieces) :] = [torch.cat(out_stats[name][-len(pieces) :], 1)]
+        self.keys, self.values, self.slots, self.stats, self.coded = (
+            out_keys,
+            out_values,
+            out_slots,
+            out_stats,
+            out_coded,
+        )
+
+    def _apply_plain(self, keep: Keep) -> None:
+        """`apply` for a layer holding every token in the model's dtype."""
         slots = self.dense_slots()
         new_keys, new_values, new_slots = [], [], []
         new_stats: dict[str, list[torch.Tensor]] = {name: [] for name in self.stats}
@@ -227,6 +454,8 @@ class CompressedLayer:
         token is an ordinary entry for attention (the reference code gives it no extra weight).
         Call after `apply`, which must have kept the existing compensation tokens.
         """
+        if self.is_coded:
+            raise NotImplementedError("a compensation token over encoded tokens is not supported")
         b, h = dropped.shape[:2]
         device = dropped.device
         if self.comp_slot is None or self.comp_count is None:
@@ -294,7 +523,7 @@ class CompressedLayer:
         if self.sliding_window is None or not self.keys:
             return
         keep_last = self.sliding_window - 1
-        if self.seq.padding is None and self.slots is None:
+        if self.seq.padding is None and self.slots is None and not self.is_coded:
             drop = self.seen - keep_last - self.start
             if drop > 0:  # copy, so the dropped tokens' storage is really freed
                 self.keys = [k[:, drop:].clone() for k in self.keys]
@@ -322,6 +551,7 @@ class CompressedLayer:
         new = copy.copy(self)
         new.seq = seq
         new.keys, new.values = list(self.keys), list(self.values)
+        new.coded = [list(parts) for parts in self.coded]
         new.slots = list(self.slots) if self.slots is not None else None
         new.stats = {name: list(per_head) for name, per_head in self.stats.items() if name in needs}
         if query_window <= 0 or self.queries is None:
@@ -335,6 +565,10 @@ class CompressedLayer:
         """Keep only the batch rows in `index` (beam search, finished sequences)."""
         self.keys = [k[index] for k in self.keys]
         self.values = [v[index] for v in self.values]
+        self.coded = [
+            [Coded(c.keys.select_batch(index), c.values.select_batch(index), c.demoted) for c in parts]
+            for parts in self.coded
+        ]
         if self.slots is not None:
             self.slots = [s[index] for s in self.slots]
         self.stats = {n: [x[index] for x in ph] for n, ph in self.stats.items()}

@@ -69,12 +69,12 @@ class Observation:
     @cached_property
     def keys(self) -> torch.Tensor:
         """(b, h, t, d) keys after RoPE."""
-        return self._layer.dense(self._layer.keys)
+        return self._layer.dense([self._layer.head_keys(h) for h in range(self._layer.n_kv_heads)])
 
     @cached_property
     def values(self) -> torch.Tensor:
         """(b, h, t, d) values."""
-        return self._layer.dense(self._layer.values)
+        return self._layer.dense([self._layer.head_values(h) for h in range(self._layer.n_kv_heads)])
 
     @property
     def queries(self) -> torch.Tensor:

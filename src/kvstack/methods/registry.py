@@ -31,3 +31,4 @@ def all_methods() -> dict[str, type[Stage]]:
 def _load_all() -> None:
     import kvstack.methods.allocate  # noqa: F401  (registers the budget allocators)
     import kvstack.methods.evict  # noqa: F401  (registers the eviction family)
+    import kvstack.methods.quantize  # noqa: F401  (registers the quantizers)

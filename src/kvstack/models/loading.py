@@ -47,6 +47,8 @@ class LoadedModel:
         encode = getattr(self.tokenizer, "encode", None)
         if encode is not None:
             self.model._kvstack_repeat_ids = tuple(encode(t, add_special_tokens=False) for t in (REPEAT, REPEAT_PART))
+            # codebook quantizers (CQ) calibrate on prose in this model's tokens
+            self.model._kvstack_encode = lambda text: encode(text, add_special_tokens=False)
 
     @property
     def max_context(self) -> int:

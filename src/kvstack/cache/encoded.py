@@ -1,0 +1,164 @@
+"""Tokens held in a compact form: packed codes plus whatever a method needs to read them back.
+
+A `Codec` is a quantization rule (bits, grouping, outliers, low-rank error, codebooks); it turns
+one head's keys or values (b, n, d) into an `Encoded` and back. `Encoded` keeps its tensors in
+three kinds, so the cache can gather and count them without knowing the method: one row per
+token (gathered when tokens are evicted), one row per group of `token_group` tokens (re-encoded
+when an eviction breaks a group), and shared tables (a codebook). Every tensor is counted in
+the cache's bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import torch
+
+from kvstack.cache.packing import pack, packed_size, unpack
+
+META_DTYPE = torch.float16  # scales and zeros, as KIVI stores them
+
+
+@dataclass(frozen=True)
+class Where:
+    """Which tensor a codec encodes: layer, KV head, "key" or "value", and the head's observed
+    queries (b, g, w, d) for methods that quantize with the queries in mind (SQuat)."""
+
+    layer: int
+    head: int
+    kind: str
+    queries: Callable[[], torch.Tensor | None] = lambda: None
+
+
+class Codec:
+    """A rule that encodes (b, n, d) tensors into an `Encoded` and decodes them back."""
+
+    bits: int = 16
+    token_group: int = 1  # tokens sharing a row of group tensors (1 = everything is per token)
+
+    def encode(self, x: torch.Tensor, where: Where) -> Encoded:
+        raise NotImplementedError
+
+    def decode(self, enc: Encoded) -> torch.Tensor:
+        """(b, n, d) in the encoded tensor's dtype."""
+        raise NotImplementedError
+
+    def token_bytes(self, dim: int) -> float:
+        """Bytes one token costs once encoded (codes plus metadata shared within its group)."""
+        raise NotImplementedError
+
+    def fixed_bytes(self, dim: int) -> int:
+        """Bytes per head that do not grow with tokens (a codebook)."""
+        return 0
+
+
+@dataclass
+class Encoded:
+    """n tokens of one head in a codec's form (see module docstring). Tensors lead with (b, rows)."""
+
+    codec: Codec
+    n: int
+    dim: int
+    dtype: torch.dtype
+    where: Where
+    tokens: dict[str, torch.Tensor]  # (b, n, ...)
+    groups: dict[str, torch.Tensor]  # (b, ceil(n / token_group), ...)
+    shared: dict[str, torch.Tensor]
+
+    def decode(self) -> torch.Tensor:
+        """(b, n, d) the tokens as the model reads them."""
+        return self.codec.decode(self)
+
+    def take(self, index: torch.Tensor) -> Encoded:
+        """The tokens at `index` (b, k). Per-token rows are gathered; a grouped encoding is
+        decoded and encoded again, since its groups no longer hold consecutive tokens."""
+        if self.groups:
+            picked = torch.gather(self.decode(), 1, index.unsqueeze(-1).expand(-1, -1, self.dim))
+            return self.codec.encode(picked, self.where)
+        return replace(self, n=index.shape[1], tokens={k: gather_rows(v, index) for k, v in self.tokens.items()})
+
+    def cat(self, other: Encoded) -> Encoded:
+        """These tokens followed by `other`'s (same codec)."""
+        if self.groups and self.n % self.codec.token_group:
+            return self.codec.encode(torch.cat([self.decode(), other.decode()], dim=1), other.where)
+        return replace(
+            self,
+            n=self.n + other.n,
+            tokens={k: torch.cat([v, other.tokens[k]], dim=1) for k, v in self.tokens.items()},
+            groups={k: torch.cat([v, other.groups[k]], dim=1) for k, v in self.groups.items()},
+            shared=other.shared,
+        )
+
+    def select_batch(self, index: torch.Tensor) -> Encoded:
+        """Keep only batch rows `index`."""
+        return replace(
+            self,
+            tokens={k: v[index] for k, v in self.tokens.items()},
+            groups={k: v[index] for k, v in self.groups.items()},
+        )
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [*self.tokens.values(), *self.groups.values(), *self.shared.values()]
+
+
+def gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Rows `index` (b, k) of x (b, n, ...)."""
+    view = index.reshape(*index.shape, *([1] * (x.dim() - 2))).expand(*index.shape, *x.shape[2:])
+    return torch.gather(x, 1, view)
+
+
+# ---- uniform (min-max) quantization, the building block of most methods -------------------
+def minmax(x: torch.Tensor, bits: int, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric uniform quantization of x along `dim`: (codes uint8, scale, zero), the last two
+    stored in float16 with `dim` kept as size 1. x ~ codes * scale + zero, error <= scale / 2."""
+    xf = x.float()
+    lo, hi = xf.amin(dim, keepdim=True), xf.amax(dim, keepdim=True)
+    scale = ((hi - lo) / (2**bits - 1)).to(META_DTYPE)
+    zero = lo.to(META_DTYPE)
+    s = scale.float()
+    codes = torch.where(s > 0, torch.round((xf - zero.float()) / torch.where(s > 0, s, 1.0)), 0.0)
+    return codes.clamp(0, 2**bits - 1).to(torch.uint8), scale, zero
+
+
+class Uniform(Codec):
+    """Group-wise asymmetric integer codes. axis="token": each token's channels in groups of
+    `group` share a scale and zero (per-token quantization); axis="channel": each channel's
+    values over `group` consecutive tokens share them (KIVI's keys)."""
+
+    def __init__(self, bits: int, axis: str = "token", group: int = 32) -> None:
+        self.bits, self.axis, self.group = bits, axis, group
+        self.token_group = group if axis == "channel" else 1
+
+    def __repr__(self) -> str:
+        return f"Uniform({self.bits}, {self.axis}, {self.group})"
+
+    def encode(self, x: torch.Tensor, where: Where) -> Encoded:
+        b, n, d = x.shape
+        if self.axis == "token":
+            codes, scale, zero = minmax(x.reshape(b, n, d // self.group, self.group), self.bits, dim=-1)
+            tokens = {"codes": pack(codes.reshape(b, n, d), self.bits), "scale": scale[..., 0], "zero": zero[..., 0]}
+            return Encoded(self, n, d, x.dtype, where, tokens, {}, {})
+        g = self.group
+        pad = (-n) % g
+        xp = torch.cat([x, x[:, -1:].expand(b, pad, d)], dim=1) if pad else x  # repeat: keeps the range
+        codes, scale, zero = minmax(xp.reshape(b, -1, g, d), self.bits, dim=2)
+        packed = pack(codes.reshape(b, -1, d)[:, :n], self.bits)
+        return Encoded(
+            self, n, d, x.dtype, where, {"codes": packed}, {"scale": scale[:, :, 0], "zero": zero[:, :, 0]}, {}
+        )
+
+    def decode(self, enc: Encoded) -> torch.Tensor:
+        b, n, d = enc.tokens["codes"].shape[0], enc.n, enc.dim
+        codes = unpack(enc.tokens["codes"], self.bits, d).float()
+        if self.axis == "token":
+            c = codes.reshape(b, n, d // self.group, self.group)
+            out = c * enc.tokens["scale"].float().unsqueeze(-1) + enc.tokens["zero"].float().unsqueeze(-1)
+            return out.reshape(b, n, d).to(enc.dtype)
+        rows = torch.arange(n, device=codes.device) // self.group
+        return (codes * enc.groups["scale"].float()[:, rows] + enc.groups["zero"].float()[:, rows]).to(enc.dtype)
+
+    def token_bytes(self, dim: int) -> float:
+        meta = 2 * META_DTYPE.itemsize
+        per_token = dim // self.group * meta if self.axis == "token" else dim * meta / self.group
+        return packed_size(dim, self.bits) + per_token

@@ -1,0 +1,66 @@
+"""Bit packing: integer codes below 2**bits stored `8 / bits` to a byte, so memory really drops.
+
+Pure functions on uint8 tensors. Widths that divide 8 (1, 2, 4, 8) pack with shifts; 3 bits
+packs eight codes into three bytes through bit planes. The last axis is packed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvstack.errors import UserError
+
+BIT_WIDTHS = (1, 2, 3, 4, 8)
+
+
+def check_bits(bits: int, who: str) -> None:
+    """One-line error for a bit width kvstack cannot pack."""
+    if bits not in BIT_WIDTHS:
+        widths = ", ".join(map(str, BIT_WIDTHS))
+        raise UserError(f"{who}: {bits}-bit codes are not supported: use one of {widths}")
+
+
+def packed_size(n: int, bits: int) -> int:
+    """Bytes that `n` codes of `bits` bits take once packed."""
+    return (n * bits + 7) // 8
+
+
+def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """(..., n) integer codes in [0, 2**bits) -> (..., ceil(n * bits / 8)) uint8."""
+    codes = codes.to(torch.uint8)
+    n = codes.shape[-1]
+    if bits == 8:
+        return codes.contiguous()
+    per_byte = 8 // bits if 8 % bits == 0 else 0
+    if per_byte:
+        pad = (-n) % per_byte
+        if pad:
+            codes = torch.cat([codes, codes.new_zeros(*codes.shape[:-1], pad)], dim=-1)
+        grouped = codes.reshape(*codes.shape[:-1], -1, per_byte).to(torch.int32)
+        shifts = torch.arange(per_byte, device=codes.device, dtype=torch.int32) * bits
+        return (grouped << shifts).sum(-1).to(torch.uint8)
+    planes = (codes.unsqueeze(-1).to(torch.int32) >> torch.arange(bits, device=codes.device, dtype=torch.int32)) & 1
+    flat = planes.reshape(*codes.shape[:-1], n * bits)
+    pad = (-flat.shape[-1]) % 8
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(*flat.shape[:-1], pad)], dim=-1)
+    octets = flat.reshape(*flat.shape[:-1], -1, 8)
+    return (octets << torch.arange(8, device=codes.device, dtype=torch.int32)).sum(-1).to(torch.uint8)
+
+
+def unpack(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """Inverse of `pack`: (..., ceil(n * bits / 8)) uint8 -> (..., n) uint8 codes."""
+    if bits == 8:
+        return packed[..., :n]
+    as_int = packed.to(torch.int32)
+    mask = (1 << bits) - 1
+    if 8 % bits == 0:
+        shifts = torch.arange(8 // bits, device=packed.device, dtype=torch.int32) * bits
+        codes = (as_int.unsqueeze(-1) >> shifts) & mask
+        return codes.reshape(*packed.shape[:-1], -1)[..., :n].to(torch.uint8)
+    flat = ((as_int.unsqueeze(-1) >> torch.arange(8, device=packed.device, dtype=torch.int32)) & 1).reshape(
+        *packed.shape[:-1], -1
+    )
+    planes = flat[..., : n * bits].reshape(*packed.shape[:-1], n, bits)
+    weights = 1 << torch.arange(bits, device=packed.device, dtype=torch.int32)
+    return (planes * weights).sum(-1).to(torch.uint8)
