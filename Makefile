@@ -31,7 +31,7 @@ rivals: .venv-kvpress/.installed
 .venv-kvpress/.installed: constraints.txt
 	$(PYTHON) -m venv .venv-kvpress
 	.venv-kvpress/bin/python -m pip install -q --upgrade pip
-	.venv-kvpress/bin/python -m pip install -q -c constraints.txt torch==2.13.0 kvpress==0.5.5
+	.venv-kvpress/bin/python -m pip install -q -c constraints.txt torch==2.13.0 kvpress==0.5.5 optimum-quanto==0.2.7
 	touch $@
 
 models-all: models

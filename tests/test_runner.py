@@ -113,11 +113,50 @@ def test_rivals_take_fraction_budgets_and_known_names(monkeypatch):
     assert sweep.rival_configs()[1] == ("kvpress:snapkv", "snapkv", "0.25")
     both = Sweep("tiny", ("snapkv",), ("0.5",), ("vt",), (400,), rivals=("kvpress", "kvpress:tova", "kvpress:snapkv"))
     assert [c[1] for c in both.rival_configs()] == ["snapkv", "tova"]
+    quantized = Sweep("tiny", ("snapkv",), ("0.125",), ("vt",), (400,), rivals=("kvpress:snapkv+quanto2",))
+    assert quantized.rival_configs() == [("kvpress:snapkv+quanto2", "snapkv+quanto2", "0.125")]
+    with pytest.raises(UserError, match="snapkv\\+quanto2"):
+        Sweep("tiny", ("knorm",), ("0.5",), ("vt",), (400,), rivals=("kvpress:snapkv+quanto3",))
     monkeypatch.setenv("KVSTACK_KVPRESS_PYTHON", "/nowhere/python")
     from kvstack.bench.rivals.kvpress_rival import kvpress_python
 
     with pytest.raises(UserError, match="make rivals"):
         kvpress_python()
+
+
+def test_a_quantized_rival_keeps_the_tokens_its_bytes_pay_for():
+    from kvstack.bench.rivals.kvpress_rival import quanto_ratio, request_for
+
+    # 2 bits + a bf16 scale and shift per 64 values = 2.5 bits of 16: 0.125 of the bytes keeps 80% of the tokens
+    assert quanto_ratio(2) == 2.5 / 16
+    request = request_for("keydiff+quanto2", 0.125)
+    assert request["press"] == "keydiff" and request["ratio"] == pytest.approx(0.2)
+    assert request["quantized"] == {"nbits": 2, "group": 64, "residual": 128}
+    assert request_for("keydiff+quanto4", 0.5)["ratio"] == 0.0  # 4 bits fit in half the bytes: nothing evicted
+    assert request_for("keydiff", 0.125) == {"press": "keydiff", "ratio": 0.875}
+
+
+@pytest.mark.slow
+def test_kvpress_over_a_quantized_cache_holds_packed_bytes(tmp_path):
+    import kvstack
+
+    lm = kvstack.load("smollm2-135m")
+    sweep = Sweep(
+        "smollm2-135m",
+        ("keydiff",),
+        ("0.125",),
+        ("niah_single",),
+        (1024,),
+        samples=1,
+        rivals=("kvpress:keydiff", "kvpress:keydiff+quanto2"),
+    )
+    store = Store(tmp_path / "results.sqlite")
+    assert run_sweep(lm, sweep, store) == 2 + 2
+    rows = {r["method"]: r for r in store.rows()}
+    plain, packed = rows["kvpress:keydiff"], rows["kvpress:keydiff+quanto2"]
+    # both near the byte budget (the question's tokens sit in bf16 on top); quanto keeps ~6x the tokens
+    assert 0.1 < plain["kv_ratio"] < 0.16 and 0.1 < packed["kv_ratio"] < 0.16
+    assert packed["answer"]
 
 
 @pytest.mark.slow

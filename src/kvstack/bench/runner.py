@@ -398,6 +398,8 @@ def _run_rivals(
 
     A press that raises is skipped for the rest of the run (and retried by the next run).
     """
+    from kvstack.bench.rivals.kvpress_rival import request_for
+
     key = (item.sample.index, item.question_index)
     for method, press, budget in rivals:
         cell = _cell(lm, method, budget, item.mode, item.sample.task, item.length)
@@ -406,8 +408,7 @@ def _run_rivals(
             continue
         request = {
             "model": str(lm.folder),
-            "press": press,
-            "ratio": 1.0 - float(budget),
+            **request_for(press, float(budget)),
             "context": item.sample.context,
             "question": item.question.question,
             "answer_prefix": item.question.answer_prefix,

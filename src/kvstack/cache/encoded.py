@@ -155,8 +155,12 @@ class Uniform(Codec):
             c = codes.reshape(b, n, d // self.group, self.group)
             out = c * enc.tokens["scale"].float().unsqueeze(-1) + enc.tokens["zero"].float().unsqueeze(-1)
             return out.reshape(b, n, d).to(enc.dtype)
-        rows = torch.arange(n, device=codes.device) // self.group
-        return (codes * enc.groups["scale"].float()[:, rows] + enc.groups["zero"].float()[:, rows]).to(enc.dtype)
+        g = self.group
+        pad = (-n) % g  # a group broadcasts over its tokens: (b, m, g, d) * (b, m, 1, d)
+        c = torch.cat([codes, codes.new_zeros(b, pad, d)], dim=1) if pad else codes
+        c = c.reshape(b, -1, g, d)
+        out = c * enc.groups["scale"].float().unsqueeze(2) + enc.groups["zero"].float().unsqueeze(2)
+        return out.reshape(b, -1, d)[:, :n].to(enc.dtype)
 
     def token_bytes(self, dim: int) -> float:
         meta = 2 * META_DTYPE.itemsize

@@ -52,12 +52,12 @@ def unpack(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     """Inverse of `pack`: (..., ceil(n * bits / 8)) uint8 -> (..., n) uint8 codes."""
     if bits == 8:
         return packed[..., :n]
-    as_int = packed.to(torch.int32)
     mask = (1 << bits) - 1
-    if 8 % bits == 0:
-        shifts = torch.arange(8 // bits, device=packed.device, dtype=torch.int32) * bits
-        codes = (as_int.unsqueeze(-1) >> shifts) & mask
-        return codes.reshape(*packed.shape[:-1], -1)[..., :n].to(torch.uint8)
+    if 8 % bits == 0:  # shifts on the bytes themselves: the decoding hot path
+        shifts = torch.arange(0, 8, bits, device=packed.device, dtype=torch.uint8)
+        codes = (packed.unsqueeze(-1) >> shifts) & mask
+        return codes.reshape(*packed.shape[:-1], -1)[..., :n]
+    as_int = packed.to(torch.int32)
     flat = ((as_int.unsqueeze(-1) >> torch.arange(8, device=packed.device, dtype=torch.int32)) & 1).reshape(
         *packed.shape[:-1], -1
     )

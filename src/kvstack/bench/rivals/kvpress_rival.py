@@ -6,12 +6,19 @@ kvpress pins transformers and patches attention at import, so it runs in a separ
 environment (`make rivals` builds `.venv-kvpress`; `KVSTACK_KVPRESS_PYTHON` points elsewhere)
 and talks to kvstack over JSON lines (`kvpress_worker.py`). Budgets map to kvpress's
 `compression_ratio = 1 - budget` (share of tokens removed).
+
+`kvpress:keydiff+quanto2` runs the press over transformers' `QuantizedCache` (optimum-quanto,
+2 or 4 bits, its defaults: groups of 64, a 128-token full-precision residual): kvpress's own
+way to stack eviction and quantization. The byte budget then keeps budget / q of the tokens,
+q = (bits + 32 / 64) / 16 the bytes a bf16 value costs quantized with its group's scale and
+shift (2 bits: 0.156), so that, like kvstack's stacks, both rivals spend the same bytes.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -35,16 +42,37 @@ COUNTERPART = {
 }
 
 
+QUANTO = re.compile(r"^(?P<press>[a-z_]+)\+quanto(?P<bits>[24])$")
+QUANTO_GROUP, QUANTO_RESIDUAL = 64, 128
+
+
+def quanto_ratio(bits: int) -> float:
+    """Bytes of a bf16 value once quanto stores it: codes plus a bf16 scale and shift per group."""
+    return (bits + 2 * 16 / QUANTO_GROUP) / 16
+
+
+def request_for(press: str, budget: float) -> dict[str, Any]:
+    """The worker's press, compression ratio and (for `P+quantoN`) quantized-cache settings at a byte budget."""
+    quanto = QUANTO.match(press)
+    if quanto is None:
+        return {"press": press, "ratio": 1.0 - budget}
+    bits = int(quanto["bits"])
+    keep = min(1.0, budget / quanto_ratio(bits))
+    settings = {"nbits": bits, "group": QUANTO_GROUP, "residual": QUANTO_RESIDUAL}
+    return {"press": quanto["press"], "ratio": 1.0 - keep, "quantized": settings}
+
+
 def presses_for(rival: str, methods: tuple[str, ...]) -> list[str]:
     """`kvpress` -> the presses matching the sweep's methods; `kvpress:all` -> every press; `kvpress:P` -> P."""
     _, _, press = rival.partition(":")
     if press == "all":
         return list(PRESSES)
     if press:
-        if press not in PRESSES:
+        base = QUANTO.match(press)
+        if (base["press"] if base else press) not in PRESSES:
             from kvstack.errors import unknown_name
 
-            raise unknown_name("kvpress press", press, list(PRESSES))
+            raise unknown_name("kvpress press", press, [*PRESSES, *(f"{p}+quanto2" for p in PRESSES)])
         return [press]
     names = [m.split("(")[0].split("+")[0].strip() for m in methods]
     return [COUNTERPART[n] for n in dict.fromkeys(names) if n in COUNTERPART]

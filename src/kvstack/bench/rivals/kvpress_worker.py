@@ -1,9 +1,12 @@
 """Runs inside kvpress's own virtual environment (it never imports kvstack): JSON lines in, JSON lines out.
 
 One request per line: {"model", "attn", "press", "ratio", "context", "question", "answer_prefix",
-"max_new_tokens", "aware"}. kvpress's own pipeline pieces do the work (chat template, prefill
-under the press, greedy answer); bytes are read off the cache's tensors after the prompt,
-as kvstack measures its own, so head-wise presses that mask instead of evicting show it.
+"max_new_tokens", "aware", "quantized"?}; with "quantized": {"nbits", "group", "residual"} the
+press runs over transformers' `QuantizedCache` (optimum-quanto backend) instead of a
+`DynamicCache`, and its packed tensors, scales and shifts are counted. kvpress's own pipeline
+pieces do the work (chat template, prefill under the press, greedy answer); bytes are read off
+the cache's tensors after the prompt, as kvstack measures its own, so head-wise presses that
+mask instead of evicting show it.
 """
 
 from __future__ import annotations
@@ -43,8 +46,24 @@ def pipeline_for(model: str, attn: str) -> Any:
     return _pipes[(model, attn)]
 
 
+def tensor_bytes(x: Any) -> int:
+    """Bytes of a plain tensor or of a quanto quantized tensor (its packed data, scale and shift)."""
+    if x is None:
+        return 0
+    if hasattr(x, "__tensor_flatten__"):
+        return sum(tensor_bytes(getattr(x, name)) for name in x.__tensor_flatten__()[0])
+    return int(x.nbytes)
+
+
 def cache_bytes(cache: Any) -> int:
-    return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+    """Bytes the cache holds: full-precision keys and values, plus a quantized cache's codes."""
+    return sum(
+        tensor_bytes(layer.keys)
+        + tensor_bytes(layer.values)
+        + tensor_bytes(getattr(layer, "_quantized_keys", None))
+        + tensor_bytes(getattr(layer, "_quantized_values", None))
+        for layer in cache.layers
+    )
 
 
 def run(req: dict[str, Any]) -> dict[str, Any]:
@@ -73,7 +92,19 @@ def run(req: dict[str, Any]) -> dict[str, Any]:
     question = "" if req["aware"] else req["question"]
     inputs = pipe.preprocess(context, [question], req["answer_prefix"], max_context_length=10**9)
     context_ids, question_ids = inputs["context_ids"], inputs["questions_ids"][0]
-    cache = DynamicCache()
+    quantized = req.get("quantized")
+    if quantized:
+        from transformers import QuantizedCache
+
+        cache = QuantizedCache(
+            backend="quanto",
+            config=model.config,
+            nbits=quantized["nbits"],
+            q_group_size=quantized["group"],
+            residual_length=quantized["residual"],
+        )
+    else:
+        cache = DynamicCache()
     with torch.inference_mode():
         start = time.perf_counter()
         with press(model):
@@ -87,7 +118,7 @@ def run(req: dict[str, Any]) -> dict[str, Any]:
         kv_bytes = cache_bytes(cache)
         config = model.config
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        item = cache.layers[0].keys.element_size()
+        item = model.dtype.itemsize
         kv_full = (
             config.num_hidden_layers * config.num_key_value_heads * head_dim * 2 * item * (n + question_ids.shape[1])
         )
