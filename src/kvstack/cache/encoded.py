@@ -53,7 +53,7 @@ class Codec:
         return 0
 
 
-@dataclass
+@dataclass(eq=False)
 class Encoded:
     """n tokens of one head in a codec's form (see module docstring). Tensors lead with (b, rows)."""
 

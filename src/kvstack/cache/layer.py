@@ -66,7 +66,7 @@ class SequenceState:
         return out
 
 
-@dataclass
+@dataclass(eq=False)
 class Coded:
     """Tokens of one head held encoded (keys and values), and whether a selection demoted them to
     low precision instead of evicting them (MiKV)."""
@@ -287,20 +287,26 @@ class CompressedLayer:
         where = Where(self.layer_idx, h, "key", observed)
         encoded = quantizer.encode(keys, values, where, codecs, self)
         start = sum(c.n for c in self.coded[h])
-        if len(encoded) > 1 or not torch.equal(encoded[0][2], torch.arange(count, device=encoded[0][2].device)):
+        in_place = len(encoded) == 1 and torch.equal(encoded[0][2].cpu(), torch.arange(count))
+        target = self._part_for(h, encoded[0][0].codec, encoded[0][1].codec)
+        if not in_place or target not in (None, len(self.coded[h]) - 1):  # tokens change place in storage
             self._regroup(h, start, encoded)
         for enc_k, enc_v, _ in encoded:
-            part, parts = Coded(enc_k, enc_v), self.coded[h]
-            same = [
-                i
-                for i, p in enumerate(parts)
-                if not p.demoted and (p.keys.codec, p.values.codec) == (enc_k.codec, enc_v.codec)
-            ]
-            if same:
-                parts[same[-1]] = parts[same[-1]].cat(part)
+            part, at = Coded(enc_k, enc_v), self._part_for(h, enc_k.codec, enc_v.codec)
+            if at is None:
+                self.coded[h].append(part)
             else:
-                parts.append(part)
+                self.coded[h][at] = self.coded[h][at].cat(part)
         self.keys[h], self.values[h] = self.keys[h][:, count:].clone(), self.values[h][:, count:].clone()
+
+    def _part_for(self, h: int, key_codec: Codec, value_codec: Codec) -> int | None:
+        """Index of head h's part (not demoted) with these codecs, or None."""
+        same = [
+            i
+            for i, p in enumerate(self.coded[h])
+            if not p.demoted and p.keys.codec is key_codec and p.values.codec is value_codec
+        ]
+        return same[-1] if same else None
 
     def _regroup(self, h: int, start: int, encoded: list[tuple[Encoded, Encoded, torch.Tensor]]) -> None:
         """Reorder head h's slots and statistics for tokens that leave the model's dtype as several
@@ -314,16 +320,15 @@ class CompressedLayer:
             bounds.append((part, at, at + part.n))
             at += part.n
         order: list[torch.Tensor] = []
-        pending = list(encoded)
+        pending = dict(enumerate(encoded))
         device = slots.device
         for part, lo, hi in bounds:
             order.append(torch.arange(lo, hi, device=device))
-            for item in list(pending):
-                enc_k, enc_v, pos = item
-                if not part.demoted and (part.keys.codec, part.values.codec) == (enc_k.codec, enc_v.codec):
+            for i, (enc_k, enc_v, pos) in list(pending.items()):
+                if not part.demoted and part.keys.codec is enc_k.codec and part.values.codec is enc_v.codec:
                     order.append(start + pos.to(device))
-                    pending.remove(item)
-        order += [start + pos.to(device) for _, _, pos in pending]
+                    del pending[i]
+        order += [start + pos.to(device) for _, _, pos in pending.values()]
         leaving = sum(pos.numel() for _, _, pos in encoded)
         order.append(torch.arange(start + leaving, slots.shape[1], device=device))
         index = torch.cat(order)
