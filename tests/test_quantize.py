@@ -181,9 +181,12 @@ def test_quantizer_alone_keeps_every_token_in_fewer_bytes(tiny, method):
     assert cache.nbytes() < cache.full_nbytes()
 
 
-@pytest.mark.parametrize("method", list(STACKED))
+ISSUE_STACK = {"pyramid(knorm)+adaquant": "pyramid(knorm)+adaquant(k=4, v=2, group=8, residual=16)"}
+
+
+@pytest.mark.parametrize("method", [*STACKED, *ISSUE_STACK])
 def test_stacked_with_eviction_holds_the_byte_budget_while_decoding(llama, method):
-    cache = KVCache(llama, STACKED[method], 0.25)
+    cache = KVCache(llama, (STACKED | ISSUE_STACK)[method], 0.25)
     runner = _Runner(llama, cache)
     runner.forward(torch.tensor([prompt(200)]), torch.ones(1, 200, dtype=torch.long))
     assert cache.nbytes() <= 0.25 * cache.full_nbytes()

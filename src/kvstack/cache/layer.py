@@ -359,78 +359,71 @@ class CompressedLayer:
         """Execute a decision: gather each head's kept tokens into new, smaller tensors.
 
         With `demote` (key and value codecs), tokens the decision leaves out are encoded at that
-        low precision instead of freed, and tokens demoted before all stay (MiKV). Storage order
-        afterwards: kept encoded parts, the demoted part, the kept tokens in the model's dtype.
+        low precision instead of freed, and tokens demoted before all stay (MiKV).
         """
         if not self.is_coded and demote is None:
             self._apply_plain(keep)
             return
-        b = self.batch
-        out_keys, out_values, out_slots, out_coded = [], [], [], []
-        out_stats: dict[str, list[torch.Tensor]] = {name: [] for name in self.stats}
+        heads = []
         for h in range(self.n_kv_heads):
             k_h = int(keep.count[:, h].max().item())
-            idx = keep.index[:, h, :k_h]
-            real = torch.arange(k_h, device=idx.device) < keep.count[:, h : h + 1]
+            index = keep.index[:, h, :k_h]
+            real = torch.arange(k_h, device=index.device) < keep.count[:, h : h + 1]
             order = self.storage_order(h)
             if order is not None:  # the decision indexes the slot-sorted view
-                idx = torch.gather(order, 1, idx)
-            slots = self.head_slots(h).expand(b, -1)
-            t = slots.shape[1]
-            kept = torch.zeros(b, t + 1, dtype=torch.bool, device=slots.device)
-            kept.scatter_(1, torch.where(real, idx, t), True)
-            kept = kept[:, :t]
-            positions = torch.arange(t, device=slots.device).expand(b, -1)
-            spans, lo = [], 0
-            for part in self.coded[h]:
-                spans.append((part, lo, lo + part.n))
-                lo += part.n
-            keep_low = demote is not None
-            pieces: list[tuple[Coded | None, torch.Tensor, torch.Tensor]] = []  # (part, picked positions, real)
-            low: list[tuple[Coded, torch.Tensor, torch.Tensor]] = []
-            for part, lo, hi in spans:
-                if part.demoted and keep_low:
-                    low.append((part, positions[:, lo:hi], torch.ones_like(kept[:, lo:hi])))
-                    continue
+                index = torch.gather(order, 1, index)
+            heads.append(self._keep_in_head(h, index, real, demote))
+        self.keys = [k for k, _, _, _, _ in heads]
+        self.values = [v for _, v, _, _, _ in heads]
+        self.coded = [c for _, _, c, _, _ in heads]
+        self.slots = [s for _, _, _, s, _ in heads]
+        self.stats = {name: [st[name] for _, _, _, _, st in heads] for name in self.stats}
+
+    def _keep_in_head(
+        self, h: int, index: torch.Tensor, real: torch.Tensor, demote: tuple[Codec, Codec] | None
+    ) -> tuple[torch.Tensor, torch.Tensor, list[Coded], torch.Tensor, dict[str, torch.Tensor]]:
+        """Head h after keeping storage positions `index` (b, k) where `real`: (keys, values,
+        encoded parts, slots, statistics). Storage order afterwards: the kept encoded parts, the
+        demoted part, the kept tokens in the model's dtype."""
+        slots = self.head_slots(h).expand(self.batch, -1)
+        t = slots.shape[1]
+        kept = torch.zeros(self.batch, t + 1, dtype=torch.bool, device=slots.device)
+        kept = kept.scatter(1, torch.where(real, index, t), True)[:, :t]
+        positions = torch.arange(t, device=slots.device).expand(self.batch, -1)
+        pieces: list[tuple[Coded | None, torch.Tensor, torch.Tensor]] = []  # (part, storage positions, real)
+        low: list[tuple[Coded, torch.Tensor, torch.Tensor]] = []
+        was_low = torch.zeros_like(kept)
+        lo = 0
+        for part in self.coded[h]:
+            hi = lo + part.n
+            if part.demoted and demote is not None:  # stays whole
+                low.append((part, positions[:, lo:hi], torch.ones_like(kept[:, lo:hi])))
+                was_low[:, lo:hi] = True
+            else:
                 pick, ok = compact(positions[:, lo:hi], kept[:, lo:hi])
                 if pick.shape[1]:
                     pieces.append((part.take((pick - lo).clamp(min=0)), pick, ok))
-            if demote is not None:  # what the decision left out, from every part not demoted before
-                fallen = self.valid_mask(slots) & ~kept
-                for part, lo, hi in spans:
-                    if part.demoted:
-                        fallen[:, lo:hi] = False
-                pick, ok = compact(positions, fallen)
-                if pick.shape[1]:
-                    keys_k = demote[0].encode(gather_rows(self.head_keys(h), pick), Where(self.layer_idx, h, "key"))
-                    keys_v = demote[1].encode(gather_rows(self.head_values(h), pick), Where(self.layer_idx, h, "value"))
-                    low.append((Coded(keys_k, keys_v, demoted=True), pick, ok))
-            if low:
-                merged = low[0][0]
-                for part, _, _ in low[1:]:
-                    merged = merged.cat(part)
-                pieces.append((merged, torch.cat([p for _, p, _ in low], 1), torch.cat([o for _, _, o in low], 1)))
-            lo = t - self.keys[h].shape[1]
-            pick, ok = compact(positions[:, lo:], kept[:, lo:])
-            out_keys.append(gather_rows(self.keys[h], (pick - lo).clamp(min=0)))
-            out_values.append(gather_rows(self.values[h], (pick - lo).clamp(min=0)))
-            pieces.append((None, pick, ok))
-            out_coded.append([part for part, _, _ in pieces if part is not None])
-            for _, pick, ok in pieces:
-                pick = pick.clamp(min=0)
-                out_slots.append(torch.where(ok, torch.gather(slots, 1, pick), torch.full_like(pick, -1)))
-                for name, per_head in self.stats.items():
-                    out_stats[name].append(torch.gather(per_head[h], 1, pick))
-            out_slots[-len(pieces) :] = [torch.cat(out_slots[-len(pieces) :], 1).to(SLOT_DTYPE)]
-            for name in self.stats:
-                out_stats[name][-len(pieces) :] = [torch.cat(out_stats[name][-len(pieces) :], 1)]
-        self.keys, self.values, self.slots, self.stats, self.coded = (
-            out_keys,
-            out_values,
-            out_slots,
-            out_stats,
-            out_coded,
-        )
+            lo = hi
+        if demote is not None:  # what the decision left out, at low precision
+            pick, ok = compact(positions, self.valid_mask(slots) & ~kept & ~was_low)
+            if pick.shape[1]:
+                keys = demote[0].encode(gather_rows(self.head_keys(h), pick), Where(self.layer_idx, h, "key"))
+                values = demote[1].encode(gather_rows(self.head_values(h), pick), Where(self.layer_idx, h, "value"))
+                low.append((Coded(keys, values, demoted=True), pick, ok))
+        if low:
+            merged = low[0][0]
+            for part, _, _ in low[1:]:
+                merged = merged.cat(part)
+            pieces.append((merged, torch.cat([p for _, p, _ in low], 1), torch.cat([o for _, _, o in low], 1)))
+        pick, ok = compact(positions[:, lo:], kept[:, lo:])  # the tokens in the model's dtype
+        pieces.append((None, pick, ok))
+        at = (pick - lo).clamp(min=0)
+        picks = torch.cat([p for _, p, _ in pieces], 1)
+        oks = torch.cat([o for _, _, o in pieces], 1)
+        new_slots = torch.where(oks, torch.gather(slots, 1, picks), torch.full_like(picks, -1)).to(SLOT_DTYPE)
+        stats = {name: torch.gather(per_head[h], 1, picks) for name, per_head in self.stats.items()}
+        coded = [part for part, _, _ in pieces if part is not None]
+        return gather_rows(self.keys[h], at), gather_rows(self.values[h], at), coded, new_slots, stats
 
     def _apply_plain(self, keep: Keep) -> None:
         """`apply` for a layer holding every token in the model's dtype."""
