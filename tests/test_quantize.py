@@ -254,6 +254,7 @@ def test_the_issue_stacks_parse_and_print_back(spec):
         ("int(group=6)", 1.0, "int(group=4)"),
         ("kivi(group=32)", 1.0, "kivi(group=16)"),
         ("kivi(bits=2, group=8)", 0.0625, "add an eviction stage"),
+        ("mikv(snapkv, lo=2, group=8)", 0.125, "lower lo or raise the budget"),
     ],
 )
 def test_bad_input_is_one_line_naming_the_fix(llama, spec, budget, fix):

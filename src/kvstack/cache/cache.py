@@ -110,12 +110,23 @@ class KVCache(Cache):
             install(model_or_config)  # hooks that measure the hidden states (SqueezeAttention)
 
     def _check_alone(self, quantizer: Any, head_dim: int, source: Any) -> None:
-        """One-line error when a quantizer without eviction cannot reach the budget."""
-        if self.stack.evictor is not None or self.budget.fraction is None or self.budget.is_full:
+        """One-line error when a stack that keeps every token (a quantizer without eviction, or
+        MiKV's low precision) cannot reach the budget."""
+        if self.budget.fraction is None or self.budget.is_full:
             return
-        dtype = getattr(source, "dtype", torch.bfloat16)
+        full = 2 * head_dim * getattr(source, "dtype", torch.bfloat16).itemsize
+        if self.demote_codecs is not None:
+            least = (sum(c.token_bytes(head_dim) for c in self.demote_codecs) + 4) / full  # + the slot
+            if least > self.budget.fraction:
+                raise UserError(
+                    f"{self.stack.label} keeps every token at {quantizer.lo} bits or more, about {least:.3f} of "
+                    f"the full bytes, so budget {self.budget} is out of reach: lower lo or raise the budget"
+                )
+            return
+        if self.stack.evictor is not None:
+            return
         assert self.codecs is not None
-        ratio = sum(c.token_bytes(head_dim) for c in self.codecs) / (2 * head_dim * dtype.itemsize)
+        ratio = sum(c.token_bytes(head_dim) for c in self.codecs) / full
         if ratio > self.budget.fraction:
             raise UserError(
                 f"{self.stack.label} stores about {ratio:.3f} of the full bytes and evicts nothing, so budget "
