@@ -31,7 +31,7 @@ QUANTIZERS = {
     "quantile": "quantile(group=16, residual=16)",
 }
 STACKED = {name: f"{SNAP}+{spec}" for name, spec in QUANTIZERS.items()} | {
-    "mikv": f"mikv({SNAP}, group=8, residual=16)"
+    "mikv": f"mikv({SNAP}, group=8, residual=4)"
 }
 
 
@@ -207,7 +207,7 @@ def test_two_bits_keep_more_tokens_than_eviction_alone_at_the_same_bytes(llama):
 
 
 def test_mikv_demotes_instead_of_evicting(llama):
-    cache = KVCache(llama, f"mikv({SNAP}, hi=8, lo=2, group=8, residual=16)", 0.25)
+    cache = KVCache(llama, f"mikv({SNAP}, hi=8, lo=2, group=8, residual=4)", 0.25)
     runner = _Runner(llama, cache)
     runner.forward(torch.tensor([prompt(200)]), torch.ones(1, 200, dtype=torch.long))
     for t in prompt(8, seed=4):
@@ -261,6 +261,21 @@ def test_bad_input_is_one_line_naming_the_fix(llama, spec, budget, fix):
     with pytest.raises(UserError) as err:
         KVCache(llama, spec, budget)
     assert fix in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_residual_window_or_codebooks_larger_than_a_fraction_budget_are_refused(llama):
+    ids = torch.tensor([prompt(200)])
+    # 0.0625 of 200 tokens pays for 12 at full precision: a 16-token window (+7 for a group) does not fit
+    with pytest.raises(UserError, match=r"residual window .* use kivi\(residual=0\)"):
+        _Runner(llama, KVCache(llama, f"{SNAP}+kivi(group=8, residual=16)", 0.0625)).forward(ids, torch.ones_like(ids))
+    # 256 centroids x 16 dims in float16, for keys and values: 16 KiB per head, above 0.125 of 200 tokens (3.2 KiB)
+    with pytest.raises(UserError, match=r"tables take 16384 bytes per head"):
+        _Runner(llama, KVCache(llama, f"{SNAP}+cq(bits=2, channels=4, tokens=64)", 0.125)).forward(
+            ids, torch.ones_like(ids)
+        )
+    # a prompt shorter than the window is simply held at full precision
+    short = torch.tensor([prompt(12)])
+    _Runner(llama, KVCache(llama, f"{SNAP}+kivi(group=8, residual=16)", 0.0625)).forward(short, torch.ones_like(short))
 
 
 def test_a_residual_window_larger_than_a_token_budget_is_refused():

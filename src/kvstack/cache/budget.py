@@ -104,3 +104,17 @@ def tokens_to_keep(budget: Budget, n_full: torch.Tensor, cost: Cost) -> torch.Te
     within_residual = torch.floor(allowed / (max(cost.residual_bytes, cost.kept) - cost.dropped))
     keep = torch.where(with_residual >= r, with_residual, torch.minimum(within_residual, r))
     return torch.minimum(keep.clamp(min=0).long(), n_full)
+
+
+def unaffordable(budget: Budget, n_full: int, cost: Cost) -> str | None:
+    """What of a quantizer's fixed cost a fraction budget cannot pay at `n_full` tokens per head:
+    "fixed" (codebooks above the whole budget), "residual" (the full-precision window above it,
+    while the sequence is longer than the window, so nothing would ever be quantized), or None."""
+    if budget.fraction is None or budget.is_full or cost.residual_bytes == 0:
+        return None
+    allowed = n_full * budget.fraction * cost.full - n_full * cost.dropped
+    if cost.fixed > allowed:
+        return "fixed"
+    if n_full > cost.residual and cost.residual * (cost.residual_bytes - cost.dropped) > allowed - cost.fixed:
+        return "residual"
+    return None

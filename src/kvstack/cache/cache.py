@@ -17,7 +17,7 @@ from transformers.cache_utils import Cache
 
 from kvstack.cache import statistics
 from kvstack.cache.attention import ATTENTION, LayerView, register
-from kvstack.cache.budget import Budget, Cost, tokens_to_keep
+from kvstack.cache.budget import Budget, Cost, tokens_to_keep, unaffordable
 from kvstack.cache.encoded import Codec
 from kvstack.cache.layer import CompressedLayer, SequenceState
 from kvstack.errors import UserError
@@ -254,7 +254,31 @@ class KVCache(Cache):
             n_full = torch.clamp(n_full, max=layer.sliding_window - 1)
             n_exempt = torch.minimum(n_exempt, n_full)
         room = n_full - n_exempt
-        return tokens_to_keep(self.budget, room, self.cost(ref)), room, n_exempt
+        cost = self.cost(ref)
+        if self.codecs is not None:
+            self._check_affordable(int(room.max()), cost)
+        return tokens_to_keep(self.budget, room, cost), room, n_exempt
+
+    def _check_affordable(self, n_full: int, cost: Cost) -> None:
+        """One-line error when the budget cannot pay a quantizer's fixed costs at this length."""
+        quantizer = self.stack.quantizer
+        what = unaffordable(self.budget, n_full, cost)
+        if what is None or quantizer is None:
+            return
+        spare = n_full * (self.budget.fraction * cost.full - cost.dropped) - cost.fixed  # type: ignore[operator]
+        affordable = spare / (cost.residual_bytes - cost.dropped)
+        if what == "fixed":
+            raise UserError(
+                f"{quantizer.name}'s tables take {cost.fixed:.0f} bytes per head, more than budget {self.budget} "
+                f"pays for at {n_full} tokens: use smaller tables (e.g. cq(channels=2)) or a larger budget"
+            )
+        group = cost.residual - quantizer.residual + 1
+        fits = [r for r in (128, 64, 32, 16, 8, 0) if r + group - 1 <= affordable / 2]
+        raise UserError(
+            f"{quantizer.name}'s residual window ({quantizer.residual} tokens, + {group - 1} waiting for a full "
+            f"group) is larger than budget {self.budget} at {n_full} tokens ({affordable:.0f} tokens at full "
+            f"precision): use {quantizer.name}(residual={fits[0] if fits else 0}) or a larger budget"
+        )
 
     def cost(self, layer: CompressedLayer) -> Cost:
         """What a token of `layer` costs by how the stack stores it (see `Cost`)."""
