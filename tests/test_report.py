@@ -126,6 +126,10 @@ def test_rivals_share_their_papers_colour_and_sit_beside_it(tmp_path):
     assert styles["kvpress:snapkv"]["color"] == styles["snapkv"]["color"] != styles["knorm"]["color"]
     assert styles["kvpress:snapkv"]["linestyle"] == "--" and styles["snapkv"]["linestyle"] == "-"
     assert styles["kvpress:expected_attention"]["color"] not in (styles["snapkv"]["color"], styles["knorm"]["color"])
+    # a stack is its own line, apart from its scorer's (kvpress:kvzip pairs with kvzip alone)
+    stacks = line_styles(["kvzip", "kvzip+kivi", "kvzip+kivi(residual=32)", "kvpress:kvzip"])
+    assert len({stacks[m]["color"] for m in ("kvzip", "kvzip+kivi", "kvzip+kivi(residual=32)")}) == 3
+    assert stacks["kvpress:kvzip"]["color"] == stacks["kvzip"]["color"]
 
 
 def test_fidelity_is_reported_apart_from_the_mean_over_answer_tasks(tmp_path):

@@ -146,10 +146,13 @@ def kvstack_method(rival: str, methods: Iterable[str] | None = None) -> str | No
 
 
 def paper_of(method: str) -> str:
-    """The paper a result line belongs to: `adakv(snapkv)` and `kvpress:adakv` -> `adakv`."""
+    """The paper a result line belongs to: `adakv(snapkv)` and `kvpress:adakv` -> `adakv`; a stack
+    (`kvzip+adaquant(residual=32)`) is its own line, apart from its scorer's."""
     if method.startswith("kvpress:"):
         return kvstack_method(method) or method
-    return method.split("(")[0].split("+")[0]
+    if "+" in method:
+        return method
+    return method.split("(")[0]
 
 
 PLOT_LINES = 8  # kvstack methods drawn per plot (the best by mean score), beside their kvpress counterparts
