@@ -30,9 +30,7 @@ QUANTIZERS = {
     "cq": "cq(bits=2, channels=2, residual=16, tokens=128)",
     "quantile": "quantile(group=16, residual=16)",
 }
-STACKED = {name: f"{SNAP}+{spec}" for name, spec in QUANTIZERS.items()} | {
-    "mikv": f"mikv({SNAP}, group=8, residual=4)"
-}
+STACKED = {name: f"{SNAP}+{spec}" for name, spec in QUANTIZERS.items()} | {"mikv": f"mikv({SNAP}, group=8, residual=4)"}
 
 
 def test_every_quantizer_is_covered():

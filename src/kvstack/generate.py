@@ -191,7 +191,8 @@ def generate_forks(
     The contexts are prefilled once into a full cache that records what every stack needs;
     each pair then forks that cache, compresses it, appends the questions and decodes. The
     results equal `generate_ids(..., query_agnostic=True)` per pair (tested), at a fraction of
-    the cost: this is what a benchmark sweep runs.
+    the cost: this is what a benchmark sweep runs. A pair the cache refuses (a quantizer's
+    residual window above the budget, say) yields ([], {"refused": the one-line reason}).
     """
     stacks = _parse_configs(configs)
     for stack, budget in stacks:
@@ -201,11 +202,16 @@ def generate_forks(
     source.forward(*_left_pad([p.context for p in prompts], pad_id))
     prefill_s = now(model.device) - start - source.cache.compress_clock.seconds
     for stack, budget in stacks:
-        runner = source.fork(stack, budget)
-        if "reconstruction" in stack.needs:  # the shared re-reading pass is this method's work
-            runner.cache.compress_clock.add(source.cache.reread_s)
-        logits = _ask(runner, prompts, pad_id)
-        yield _finish(runner, logits, prefill_s, max_new_tokens, eos_ids or set(), query_agnostic=True)
+        try:
+            runner = source.fork(stack, budget)
+            if "reconstruction" in stack.needs:  # the shared re-reading pass is this method's work
+                runner.cache.compress_clock.add(source.cache.reread_s)
+            logits = _ask(runner, prompts, pad_id)
+            done = _finish(runner, logits, prefill_s, max_new_tokens, eos_ids or set(), query_agnostic=True)
+        except UserError as err:
+            yield [], {"refused": str(err)}
+            continue
+        yield done
 
 
 def fidelity_forks(
@@ -214,7 +220,8 @@ def fidelity_forks(
     """Language-model fidelity per (stack, budget): compress `context`, teacher-force `continuation`.
 
     Yields, per config: perplexity of the continuation, mean KL(full || compressed) of the
-    next-token distributions, top-1 agreement with the full cache, and the measured bytes.
+    next-token distributions, top-1 agreement with the full cache, and the measured bytes
+    (or {"refused": reason} for a pair the cache refuses).
     """
     stacks = _parse_configs(configs)
     source = _observing_runner(model, stacks)
@@ -225,11 +232,15 @@ def fidelity_forks(
     ref_logp = torch.log_softmax(reference[:-1], -1)
     targets = follow[0, 1:].to(reference.device)
     for stack, budget in stacks:
-        runner = source.fork(stack, budget)
-        if "reconstruction" in stack.needs:
-            runner.cache.compress_clock.add(source.cache.reread_s)
-        kv_bytes, kv_full = runner.cache.nbytes(), runner.cache.full_nbytes()
-        logp = torch.log_softmax(runner.forward(follow, ones, every_position=True)[0][:-1], -1)
+        try:
+            runner = source.fork(stack, budget)
+            if "reconstruction" in stack.needs:
+                runner.cache.compress_clock.add(source.cache.reread_s)
+            kv_bytes, kv_full = runner.cache.nbytes(), runner.cache.full_nbytes()
+            logp = torch.log_softmax(runner.forward(follow, ones, every_position=True)[0][:-1], -1)
+        except UserError as err:
+            yield {"refused": str(err)}
+            continue
         yield {
             "ppl": float(torch.exp(-logp.gather(-1, targets[:, None]).mean())),
             "kl": float((ref_logp.exp() * (ref_logp - logp)).sum(-1).mean()),

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
@@ -233,7 +233,9 @@ class Share:
         self.work = plan(lm, sweep)
         self.fidelity = fidelity_work(lm, sweep.lengths, sweep.samples, sweep.seed) if "fidelity" in sweep.tasks else []
         self.rival: KvpressRival | None = None  # started on first use
-        self.failed: dict[str, str] = {}  # rival presses that raised: skipped for the rest of the run, retried next run
+        # rival presses that raised (skipped for the rest of the run, retried next run), and kvstack
+        # configs the cache refused ("kvzip+kivi at 0.0625": its residual window does not fit)
+        self.failed: dict[str, str] = {}
 
     @property
     def units(self) -> list[Unit]:
@@ -255,9 +257,9 @@ class Share:
         assert self.store is not None, "a planning-only share runs nothing"
         kind, i = unit
         if kind == "fidelity":
-            _run_fidelity(self.lm, self.fidelity[i], self.configs, self.store, advance)
+            _run_fidelity(self.lm, self.fidelity[i], self.configs, self.store, advance, self.failed)
             return
-        _run_kvstack(self.lm, self.work[i], self.configs, self.store, advance)
+        _run_kvstack(self.lm, self.work[i], self.configs, self.store, advance, self.failed)
         if self.rivals:
             self.rival = self.rival or _rival(self.lm)
             _run_rivals(self.lm, self.rival, self.work[i], self.rivals, self.store, advance, self.failed)
@@ -296,7 +298,8 @@ def run_sweep(lm: LoadedModel, sweep: Sweep, store: Store, console: Console | No
         share.close()
         failed = share.failed
     for method, error in failed.items():
-        console.print(f"[yellow]{method} failed, no rows stored:[/] {error}", highlight=False)
+        what = "refused" if " at " in method else "failed"
+        console.print(f"[yellow]{method} {what}, no rows stored:[/] {error}", highlight=False)
     return written
 
 
@@ -305,9 +308,15 @@ def _cell(lm: LoadedModel, method: str, budget: str, mode: str, task: str, lengt
 
 
 def _run_kvstack(
-    lm: LoadedModel, item: Work, configs: list[tuple[Stack, Budget]], store: Store, advance: Advance
+    lm: LoadedModel,
+    item: Work,
+    configs: list[tuple[Stack, Budget]],
+    store: Store,
+    advance: Advance,
+    refused: dict[str, str],
 ) -> None:
-    """kvstack's configs for one question: forks of one prefill (agnostic) or one run each (aware)."""
+    """kvstack's configs for one question: forks of one prefill (agnostic) or one run each (aware).
+    A config the cache refuses is noted in `refused` and stores no row."""
     cells = {
         (s.label, str(b)): _cell(lm, s.label, str(b), item.mode, item.sample.task, item.length) for s, b in configs
     }
@@ -322,8 +331,12 @@ def _run_kvstack(
     if item.mode == "agnostic":
         results = generate_forks(lm.model, [prompt], todo, new, eos, pad)
     else:
-        results = (generate_ids(lm.model, [prompt], s, b, False, new, eos, pad) for s, b in todo)
+        results = (_aware(lm, prompt, s, b, new, eos, pad) for s, b in todo)
     for (stack, budget), (ids, m) in zip(todo, results, strict=True):
+        if "refused" in m:
+            refused[f"{stack.label} at {budget}"] = m["refused"]
+            advance()
+            continue
         answer = lm.tokenizer.decode(ids[0], skip_special_tokens=True).strip()
         s, p = score(answer, item.question.answers)
         row = Row(
@@ -344,8 +357,23 @@ def _run_kvstack(
         advance(store.add(row))
 
 
+def _aware(
+    lm: LoadedModel, prompt: Any, stack: Stack, budget: Budget, new: int, eos: set[int], pad: int
+) -> tuple[list[list[int]], dict[str, Any]]:
+    """One query-aware run, or ([], {"refused": reason}) when the cache refuses the config."""
+    try:
+        return generate_ids(lm.model, [prompt], stack, budget, False, new, eos, pad)
+    except UserError as err:
+        return [], {"refused": str(err)}
+
+
 def _run_fidelity(
-    lm: LoadedModel, fw: FidelityWork, configs: list[tuple[Stack, Budget]], store: Store, advance: Advance
+    lm: LoadedModel,
+    fw: FidelityWork,
+    configs: list[tuple[Stack, Budget]],
+    store: Store,
+    advance: Advance,
+    refused: dict[str, str],
 ) -> None:
     """Fidelity of every missing config for one window of real text."""
     cells = {(s.label, str(b)): _cell(lm, s.label, str(b), "agnostic", "fidelity", fw.length) for s, b in configs}
@@ -356,6 +384,10 @@ def _run_fidelity(
     for (stack, budget), m in zip(
         todo, fidelity_forks(lm.model, list(fw.context), list(fw.continuation), todo), strict=True
     ):
+        if "refused" in m:
+            refused[f"{stack.label} at {budget}"] = m["refused"]
+            advance()
+            continue
         row = Row(
             cells[(stack.label, str(budget))],
             fw.index,
