@@ -104,6 +104,18 @@ def test_quantile_levels_sit_at_the_quartiles():
     assert enc.decode().flatten().tolist() == [1.75] * 4 + [5.25] * 4
 
 
+@settings(max_examples=20, deadline=None)
+@given(st.integers(1, 3), st.integers(2, 40), st.integers(0, 2**31 - 1))
+def test_quantile_levels_match_torch_quantile(levels_log2, g, seed):
+    from kvstack.methods.quantize.quantile import quantiles
+
+    chunks = torch.randn(2, 3, g, 4, generator=torch.Generator().manual_seed(seed))
+    n = 2**levels_log2
+    q = (torch.arange(n, dtype=torch.float32) + 0.5) / n
+    expected = torch.quantile(chunks.transpose(2, 3), q, dim=-1).permute(1, 2, 3, 0)
+    torch.testing.assert_close(quantiles(chunks, n), expected)
+
+
 def test_gear_with_full_rank_recovers_what_quantization_lost():
     x = torch.randn(1, 16, 8, generator=torch.Generator().manual_seed(0))
     coarse = GearCodec(1, "token", 8, rank=0, outliers=0.0, chunk=16).encode(x, HERE).decode()
@@ -253,6 +265,7 @@ def test_the_issue_stacks_parse_and_print_back(spec):
         ("kivi(group=32)", 1.0, "kivi(group=16)"),
         ("kivi(bits=2, group=8)", 0.0625, "add an eviction stage"),
         ("mikv(snapkv, lo=2, group=8)", 0.125, "lower lo or raise the budget"),
+        ("razor(snapkv)+kivi(group=8)", 0.25, "compensate=False"),
     ],
 )
 def test_bad_input_is_one_line_naming_the_fix(llama, spec, budget, fix):
@@ -311,3 +324,24 @@ def test_tokens_held_at_several_precisions_keep_their_slots(llama, spec, budget)
         same_input = (slots < len(ids)) | (layer.layer_idx == 0)
         assert bool((((keys - truth).abs() <= spread / 5 + 1e-3) | ~same_input.unsqueeze(-1)).all())
     assert len(widths) > 1  # the case this test is about: several precisions at once
+
+
+def test_a_padded_batch_under_mikv_holds_its_budget_and_carries_no_empty_places(llama):
+    """Rows of a batch demote different counts; the demoted part keeps no column that is empty in
+    every row, and the bytes stay within budget at every step."""
+    short, long = prompt(150), prompt(220, seed=7)
+    ids = torch.tensor([[0] * 70 + short, long])
+    mask = torch.tensor([[0] * 70 + [1] * 150, [1] * 220])
+    cache = KVCache(llama, f"mikv({SNAP}, hi=8, lo=2, group=8, residual=4)", 0.3)
+    runner = _Runner(llama, cache)
+    runner.forward(ids, mask)
+    for t in prompt(24, seed=8):
+        runner.forward(torch.tensor([[t], [t]]), torch.ones(2, 1, dtype=torch.long))
+        assert cache.nbytes() <= 0.3 * cache.full_nbytes()
+    for layer in cache.layers:
+        for h in range(layer.n_kv_heads):
+            slots, at = layer.slots[h], 0
+            for part in layer.coded[h]:
+                if part.demoted:
+                    assert bool((slots[:, at : at + part.n] >= 0).any(0).all())
+                at += part.n

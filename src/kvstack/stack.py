@@ -40,7 +40,13 @@ class Stack:
         if len(quantizers) > 1:
             names = " + ".join(q.name for q in quantizers)
             raise UserError(f"'{spec}' stacks two quantizers ({names}): keep one")
-        return cls(stages)
+        stack = cls(stages)
+        if quantizers and stack.compensates:
+            raise UserError(
+                f"'{spec}': razor's compensation token cannot average encoded tokens: "
+                "use razor(..., compensate=False) with a quantizer"
+            )
+        return stack
 
     @property
     def selection(self) -> list[Stage]:

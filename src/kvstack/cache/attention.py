@@ -159,9 +159,11 @@ def _attend(
     """
     b, n_q_heads, q, d = query.shape
     g = n_q_heads // n_kv_heads
-    out = query.new_empty(b, n_q_heads, q, d)
+    out: torch.Tensor | None = None
     for h in range(n_kv_heads):
         k, v = keys_of(h), values_of(h)
+        if out is None:  # values may be narrower or wider than queries
+            out = query.new_empty(b, n_q_heads, q, v.shape[-1])
         qh = query[:, h * g : (h + 1) * g]
         k4, v4 = k.unsqueeze(1), v.unsqueeze(1)
         if q == 1 and padding is None:  # one new query sees every held token: older ones left the window
@@ -177,6 +179,7 @@ def _attend(
         out[:, h * g : (h + 1) * g] = F.scaled_dot_product_attention(
             qh, k4, v4, attn_mask=mask, scale=scale, enable_gqa=True
         )
+    assert out is not None
     return out.transpose(1, 2).contiguous()
 
 

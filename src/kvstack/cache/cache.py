@@ -89,7 +89,8 @@ class KVCache(Cache):
         if quantizer is not None:
             quantizer.check(head_dim)
             table = quantizer.prepare(model_or_config)
-            self.codecs = quantizer.codecs(table)
+            device = getattr(model_or_config, "device", None)
+            self.codecs = quantizer.codecs(table.to(device) if table is not None and device is not None else table)
             if self.stack.demotes:
                 self.demote_codecs = self.stack.evictor.demote_codecs()
             self._check_alone(quantizer, head_dim, model_or_config)

@@ -66,6 +66,11 @@ class Encoded:
     groups: dict[str, torch.Tensor]  # (b, ceil(n / token_group), ...)
     shared: dict[str, torch.Tensor]
 
+    def __post_init__(self) -> None:
+        # the queries an encoder looked at are not kept (they would stay alive, uncounted): an
+        # encoding done again after an eviction rounds without them
+        self.where = Where(self.where.layer, self.where.head, self.where.kind)
+
     def decode(self) -> torch.Tensor:
         """(b, n, d) the tokens as the model reads them."""
         return self.codec.decode(self)

@@ -349,7 +349,10 @@ class CompressedLayer:
 
     def add_stat(self, name: str, h: int, value: torch.Tensor, accumulate: bool | str) -> None:
         """Record a per-token statistic (b, t_h) for head h: summed (True), replaced (False) or "max"."""
-        per_head = self.stats.setdefault(name, [x.new_zeros(x.shape[:2], dtype=torch.float32) for x in self.keys])
+        per_head = self.stats.setdefault(
+            name,
+            [self.keys[0].new_zeros(self.batch, self.head_len(i), dtype=torch.float32) for i in range(self.n_kv_heads)],
+        )
         if accumulate == "max":
             per_head[h] = torch.maximum(per_head[h], value)
         else:
@@ -399,6 +402,8 @@ class CompressedLayer:
             if part.demoted and demote is not None:  # stays whole
                 low.append((part, positions[:, lo:hi], torch.ones_like(kept[:, lo:hi])))
                 was_low[:, lo:hi] = True
+            elif bool(kept[:, lo:hi].all()):  # untouched: no gather (a grouped code is not encoded again)
+                pieces.append((part, positions[:, lo:hi], torch.ones_like(kept[:, lo:hi])))
             else:
                 pick, ok = compact(positions[:, lo:hi], kept[:, lo:hi])
                 if pick.shape[1]:
@@ -414,7 +419,13 @@ class CompressedLayer:
             merged = low[0][0]
             for part, _, _ in low[1:]:
                 merged = merged.cat(part)
-            pieces.append((merged, torch.cat([p for _, p, _ in low], 1), torch.cat([o for _, _, o in low], 1)))
+            picks, oks = torch.cat([p for _, p, _ in low], 1), torch.cat([o for _, _, o in low], 1)
+            oks = oks & (torch.gather(slots, 1, picks) >= 0)
+            if not bool(oks.all()):  # empty places (rows of a batch keeping fewer) are dropped, not carried
+                column, ok = compact(torch.arange(picks.shape[1], device=picks.device).expand_as(picks), oks)
+                merged, picks = merged.take(column), torch.gather(picks, 1, column)
+                oks = ok
+            pieces.append((merged, picks, oks))
         pick, ok = compact(positions[:, lo:], kept[:, lo:])  # the tokens in the model's dtype
         pieces.append((None, pick, ok))
         at = (pick - lo).clamp(min=0)

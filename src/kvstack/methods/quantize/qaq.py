@@ -20,37 +20,39 @@ from typing import Any
 import torch
 
 from kvstack.cache.attention import attention_probs, head_mask
-from kvstack.cache.encoded import Codec, Encoded, Uniform, Where
+from kvstack.cache.encoded import META_DTYPE, Codec, Encoded, Uniform, Where
 from kvstack.cache.packing import BIT_WIDTHS
 from kvstack.methods.quantize.base import Quantizer, keep_outliers, restore_outliers
 from kvstack.methods.registry import register
 
 
 class OutlierUniform(Codec):
-    """Per-token codes with the `count` most extreme entries of each token kept in float16."""
+    """Per-token codes (one scale and zero per token) with a fraction `outliers` of each token's
+    most extreme entries kept in float16. `family` maps every width QAQ may pick to its codec."""
 
-    def __init__(self, bits: int, count: int) -> None:
-        self.bits, self.count = bits, count
-        self.base: Uniform | None = None
+    def __init__(self, bits: int, outliers: float, family: dict[int, OutlierUniform]) -> None:
+        self.bits, self.outliers, self.family = bits, outliers, family
+
+    def count(self, dim: int) -> int:
+        return round(self.outliers * dim)
 
     def encode(self, x: torch.Tensor, where: Where) -> Encoded:
-        self.base = self.base or Uniform(self.bits, "token", x.shape[-1])
-        if not self.count:
-            enc = self.base.encode(x, where)
+        base, count = Uniform(self.bits, "token", x.shape[-1]), self.count(x.shape[-1])
+        if not count:
+            enc = base.encode(x, where)
         else:
-            flat, index, value = keep_outliers(x, self.count)
-            enc = self.base.encode(flat.to(x.dtype), where)
+            flat, index, value = keep_outliers(x, count)
+            enc = base.encode(flat.to(x.dtype), where)
             enc.tokens.update(oidx=index, oval=value)
         enc.codec = self
         return enc
 
     def decode(self, enc: Encoded) -> torch.Tensor:
-        base = self.base or Uniform(self.bits, "token", enc.dim)
-        out = base.decode(enc)
+        out = Uniform(self.bits, "token", enc.dim).decode(enc)
         return restore_outliers(out, enc.tokens["oidx"], enc.tokens["oval"]) if "oidx" in enc.tokens else out
 
     def token_bytes(self, dim: int) -> float:
-        return Uniform(self.bits, "token", dim).token_bytes(dim) + self.count * 3
+        return Uniform(self.bits, "token", dim).token_bytes(dim) + self.count(dim) * (1 + META_DTYPE.itemsize)
 
 
 @register
@@ -82,18 +84,17 @@ class Qaq(Quantizer):
         return [w for w in BIT_WIDTHS if self.n_min <= w <= self.n_max] or [self.n_max]
 
     def codecs(self, table: torch.Tensor | None = None) -> tuple[Codec, Codec]:
-        """The widest codecs (what the budget plans with: QAQ's cost is only known per token)."""
-        count = round(self.outliers * 64)
-        self._family = {w: OutlierUniform(w, count) for w in self.widths()}
-        return self._family[max(self._family)], self._family[max(self._family)]
+        """The widest codecs (what the budget plans with: QAQ's cost is only known per token);
+        each carries the family of every width, per cache."""
+        family: dict[int, OutlierUniform] = {}
+        family.update({w: OutlierUniform(w, self.outliers, family) for w in self.widths()})
+        return family[max(family)], family[max(family)]
 
     def encode(
         self, keys: torch.Tensor, values: torch.Tensor, where: Where, codecs: tuple[Codec, Codec], layer: Any
     ) -> list[tuple[Encoded, Encoded, torch.Tensor]]:
         b, n, d = keys.shape
-        family = self._family
-        for codec in family.values():
-            codec.count = round(self.outliers * d)
+        family = codecs[0].family  # type: ignore[attr-defined]
         attn = self.attention(layer, where.head, where.queries(), n)  # (b, n)
         held = layer.head_len(where.head)
         x = attn * torch.maximum(1 - attn, attn.amax(-1, keepdim=True))

@@ -19,6 +19,18 @@ from kvstack.methods.quantize.base import Quantizer
 from kvstack.methods.registry import register
 
 
+def quantiles(chunks: torch.Tensor, n_levels: int) -> torch.Tensor:
+    """(b, m, d, L) the (i + 0.5) / L quantiles of chunks (b, m, g, d) over its g tokens, linear
+    interpolation between order statistics (torch.quantile's rule, without its size limit)."""
+    ordered = chunks.sort(dim=2).values  # (b, m, g, d)
+    g = chunks.shape[2]
+    at = (torch.arange(n_levels, dtype=torch.float32, device=chunks.device) + 0.5) / n_levels * (g - 1)
+    below, frac = at.floor().long(), at - at.floor()
+    above = (below + 1).clamp(max=g - 1)
+    low, high = ordered[:, :, below], ordered[:, :, above]  # (b, m, L, d)
+    return (low + (high - low) * frac[:, None]).transpose(2, 3)
+
+
 class QuantileCodec(Codec):
     """Per (token group, channel) levels at quantiles; codes index the nearest level."""
 
@@ -31,9 +43,7 @@ class QuantileCodec(Codec):
         pad = (-n) % g
         xp = torch.cat([x, x[:, -1:].expand(b, pad, d)], 1) if pad else x
         chunks = xp.float().reshape(b, -1, g, d)
-        q = (torch.arange(n_levels, dtype=torch.float32, device=x.device) + 0.5) / n_levels
-        levels = torch.quantile(chunks.transpose(2, 3), q, dim=-1).permute(1, 2, 3, 0)  # (b, m, d, L)
-        levels = levels.to(META_DTYPE)
+        levels = quantiles(chunks, n_levels).to(META_DTYPE)  # (b, m, d, L)
         distance = (chunks.unsqueeze(-1) - levels.float().unsqueeze(2)).abs()  # (b, m, g, d, L)
         codes = distance.argmin(-1).reshape(b, -1, d)[:, :n]
         return Encoded(self, n, d, x.dtype, where, {"codes": pack(codes, self.bits)}, {"levels": levels}, {})

@@ -9,7 +9,8 @@ query span. Values are per-token as in KIVI. Defaults from the reference code
 (Red-Hat-AI-Innovation-Team/SQuat, llama_squat.py): rank 20, residual 32, group 32; `block`
 16 so a 64-wide head has four blocks (one block would be plain KIVI). Deviation: queries are
 the last `queries` observed (the reference uses the whole prompt), so lam is taken relative to
-the mean query (the reference's 1e-3 multiplies a sum over the prompt).
+the mean query (the reference's 1e-3 multiplies a sum over the prompt); keys encoded again
+after an eviction broke their group are rounded plain (KIVI), the queries not being kept.
 """
 
 from __future__ import annotations
