@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvstack.cache.cache import KVCache
-from kvstack.cache.encoded import Uniform, Where, minmax
+from kvstack.cache.encoded import Uniform, Where, gather_rows, minmax
 from kvstack.cache.packing import BIT_WIDTHS, pack, packed_size, unpack
 from kvstack.errors import UserError
 from kvstack.generate import _Runner
@@ -89,6 +89,31 @@ def test_uniform_error_is_within_half_a_step(bits, axis, seed):
         step = enc.groups["scale"].float().repeat_interleave(8, dim=1)[:, :24]
     spread = x.abs().max()
     assert bool((err <= step / 2 + 2e-3 * spread).all())  # half a step, plus float16 metadata rounding
+
+
+@pytest.mark.parametrize(
+    "codec",
+    [Uniform(2, "channel", 8), QuantileCodec(1, 8), GearCodec(2, "channel", 8, rank=2, outliers=0.1, chunk=8)],
+    ids=["kivi-keys", "quantile", "gear"],
+)
+def test_evicting_from_a_group_keeps_the_other_tokens_bit_for_bit(codec):
+    """A group that loses tokens keeps its metadata and counts what it holds: the survivors read
+    back exactly as before (no rounding again), across batch rows that keep different tokens,
+    and after joining a later part; a part thinned below 3/4 full is encoded again."""
+    x = torch.randn(2, 24, 16, generator=torch.Generator().manual_seed(3))
+    enc = codec.encode(x, HERE)
+    before = enc.decode()
+    index = torch.tensor([[0, 1, 2, 4, 5, 6, 7, 9, 10, 11, 12, 13, 15, 16, 17, 18, 19, 20, 21, 22]] * 2)
+    index[1, 3:] += 1  # the second row keeps another set, still sorted
+    kept = enc.take(index)
+    assert kept.groups["count"].tolist() == [[7, 6, 7], [6, 6, 8]] and kept.n == 20
+    torch.testing.assert_close(kept.decode(), gather_rows(before, index), rtol=0, atol=0)
+    more = codec.encode(x[:, :8], HERE)
+    joined = kept.cat(more)
+    torch.testing.assert_close(joined.decode()[:, :20], kept.decode(), rtol=0, atol=0)
+    torch.testing.assert_close(joined.decode()[:, 20:], more.decode(), rtol=0, atol=0)
+    sparse = enc.take(torch.tensor([[0, 8, 16]] * 2))  # 3 tokens left in 3 groups of 8
+    assert "count" not in sparse.groups and sparse.n == 3
 
 
 def test_minmax_of_a_constant_group_is_exact():

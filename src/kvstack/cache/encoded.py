@@ -75,18 +75,74 @@ class Encoded:
         """(b, n, d) the tokens as the model reads them."""
         return self.codec.decode(self)
 
+    def rows(self) -> torch.Tensor | None:
+        """(b, n) the group row each token reads its group tensors from, or None while groups are
+        whole runs of `token_group` tokens (then row = token // token_group)."""
+        count = self.groups.get("count")
+        if count is None:
+            return None
+        ends = count.long().cumsum(1)  # (b, m)
+        b, m = ends.shape
+        at = torch.arange(self.n, device=ends.device).expand(b, self.n).contiguous()
+        return torch.searchsorted(ends, at, right=True).clamp(max=m - 1)
+
+    def counts(self) -> torch.Tensor:
+        """(b, m) tokens per group (whole runs of `token_group`, the last one maybe shorter)."""
+        if "count" in self.groups:
+            return self.groups["count"].long()
+        g, any_group = self.codec.token_group, next(iter(self.groups.values()))
+        b, m = any_group.shape[:2]
+        count = torch.full((b, m), g, dtype=torch.long, device=any_group.device)
+        count[:, -1] = self.n - (m - 1) * g
+        return count
+
+    def per_token(self, name: str) -> torch.Tensor:
+        """The group tensor `name` (b, m, ...) read per token: (b, n, ...)."""
+        rows = self.rows()
+        if rows is None:
+            rows = (torch.arange(self.n, device=self.groups[name].device) // self.codec.token_group).expand(
+                self.groups[name].shape[0], -1
+            )
+        return gather_rows(self.groups[name], rows)
+
     def take(self, index: torch.Tensor) -> Encoded:
-        """The tokens at `index` (b, k). Per-token rows are gathered; a grouped encoding is
-        decoded and encoded again, since its groups no longer hold consecutive tokens."""
-        if self.groups:
-            picked = torch.gather(self.decode(), 1, index.unsqueeze(-1).expand(-1, -1, self.dim))
-            return self.codec.encode(picked, self.where)
-        return replace(self, n=index.shape[1], tokens={k: gather_rows(v, index) for k, v in self.tokens.items()})
+        """The tokens at `index` (b, k), sorted in each row. Per-token tensors are gathered; groups
+        keep their tensors and count the tokens they still hold (no rounding again), dropping
+        groups empty in every row; once the groups left are under 3/4 full on average, the tokens
+        are encoded again into whole groups, so metadata per token stays bounded."""
+        tokens = {k: gather_rows(v, index) for k, v in self.tokens.items()}
+        if not self.groups:
+            return replace(self, n=index.shape[1], tokens=tokens)
+        rows = self.rows()
+        if rows is None:
+            rows = (torch.arange(self.n, device=index.device) // self.codec.token_group).expand(index.shape[0], -1)
+        kept_rows = torch.gather(rows, 1, index)  # (b, k), non-decreasing
+        m = self.counts().shape[1]
+        count = torch.zeros(index.shape[0], m, dtype=torch.long, device=index.device)
+        count.scatter_add_(1, kept_rows, torch.ones_like(kept_rows))
+        used = count.sum(0) > 0
+        k = index.shape[1]
+        if k < 0.75 * int(used.sum()) * self.codec.token_group:  # too sparse: whole groups again
+            return self.codec.encode(gather_rows(self.decode(), index), self.where)
+        groups = {name: v[:, used] for name, v in self.groups.items() if name != "count"}
+        groups["count"] = count[:, used].to(torch.int16)
+        return replace(self, n=k, tokens=tokens, groups=groups)
 
     def cat(self, other: Encoded) -> Encoded:
-        """These tokens followed by `other`'s (same codec)."""
-        if self.groups and self.n % self.codec.token_group:
-            return self.codec.encode(torch.cat([self.decode(), other.decode()], dim=1), other.where)
+        """These tokens followed by `other`'s (same codec): groups are concatenated as they are
+        (a part ending in a short group carries group counts from then on)."""
+        if self.groups and ("count" in self.groups or "count" in other.groups or self.n % self.codec.token_group):
+            groups = {
+                name: torch.cat([v, other.groups[name]], dim=1) for name, v in self.groups.items() if name != "count"
+            }
+            groups["count"] = torch.cat([self.counts(), other.counts()], dim=1).to(torch.int16)
+            return replace(
+                self,
+                n=self.n + other.n,
+                tokens={k: torch.cat([v, other.tokens[k]], dim=1) for k, v in self.tokens.items()},
+                groups=groups,
+                shared=other.shared,
+            )
         return replace(
             self,
             n=self.n + other.n,
@@ -160,6 +216,8 @@ class Uniform(Codec):
             c = codes.reshape(b, n, d // self.group, self.group)
             out = c * enc.tokens["scale"].float().unsqueeze(-1) + enc.tokens["zero"].float().unsqueeze(-1)
             return out.reshape(b, n, d).to(enc.dtype)
+        if "count" in enc.groups:  # groups thinned by evictions: each token reads its own group
+            return (codes * enc.per_token("scale").float() + enc.per_token("zero").float()).to(enc.dtype)
         g = self.group
         pad = (-n) % g  # a group broadcasts over its tokens: (b, m, g, d) * (b, m, 1, d)
         c = torch.cat([codes, codes.new_zeros(b, pad, d)], dim=1) if pad else codes
@@ -169,5 +227,6 @@ class Uniform(Codec):
 
     def token_bytes(self, dim: int) -> float:
         meta = 2 * META_DTYPE.itemsize
-        per_token = dim // self.group * meta if self.axis == "token" else dim * meta / self.group
+        # groups of tokens are planned at 3/4 full: evictions thin them that far before a re-encode
+        per_token = dim // self.group * meta if self.axis == "token" else dim * meta / (0.75 * self.group)
         return packed_size(dim, self.bits) + per_token

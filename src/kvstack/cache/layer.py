@@ -91,13 +91,18 @@ class Coded:
 
 def compact(positions: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row, the entries of positions (b, k) where mask holds, moved to the front in order:
-    (picked (b, k'), real (b, k')), k' the most any row picks; rows with fewer pad with 0."""
+    (picked (b, k'), real (b, k')), k' the most any row picks; rows with fewer repeat their last
+    pick (0 when none), so each row stays in the order of `positions`."""
     order = torch.argsort((~mask).to(torch.int8), dim=1, stable=True)
     count = mask.sum(1)
     k = int(count.max().item()) if count.numel() else 0
     picked = torch.gather(positions, 1, order)[:, :k]
     real = torch.arange(k, device=positions.device) < count.unsqueeze(1)
-    return torch.where(real, picked, torch.zeros_like(picked)), real
+    if k == 0:
+        return picked, real
+    last = torch.gather(picked, 1, (count - 1).clamp(min=0).unsqueeze(1))
+    last = torch.where(count.unsqueeze(1) > 0, last, torch.zeros_like(last))
+    return torch.where(real, picked, last.expand_as(picked)), real
 
 
 class CompressedLayer:

@@ -2,7 +2,7 @@
 
 X ~ Q(X - S) + S + L: S keeps each token's largest-magnitude entries in float16 (set to the
 median before quantizing, so they stop stretching the range); Q is KIVI's layout (keys per
-channel, values per token); L is a rank-`rank` approximation of what Q and S leave over,
+channel over each chunk, values per token); L is a rank-`rank` approximation of what Q and S leave over,
 computed per chunk of `chunk` tokens (GEAR's streaming buffer) by SVD and stored as per-token
 factors (n, r) and per-chunk factors (r, d). Defaults from the reference code
 (HaoKang-Timmy/GEAR, compress_function.py): rank 4, outliers 2% (1 per token of a 64-wide
@@ -11,7 +11,6 @@ head), chunk 64. Deviation: outliers are chosen per token for keys too (GEAR: pe
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -25,9 +24,10 @@ class GearCodec(Codec):
     """Uniform codes + per-token outliers + a per-chunk low-rank error."""
 
     def __init__(self, bits: int, axis: str, group: int, rank: int, outliers: float, chunk: int) -> None:
-        self.base = Uniform(bits, axis, group)
+        # keys: per channel over the chunk's tokens (one grouping of tokens for codes and factors)
+        self.base = Uniform(bits, axis, chunk if axis == "channel" else group)
         self.bits, self.rank, self.outliers = bits, rank, outliers
-        self.token_group = math.lcm(chunk, self.base.token_group)
+        self.token_group = chunk
 
     def n_outliers(self, dim: int) -> int:
         return max(1, round(self.outliers * dim)) if self.outliers > 0 else 0
@@ -56,8 +56,7 @@ class GearCodec(Codec):
     def decode(self, enc: Encoded) -> torch.Tensor:
         out = self.base.decode(enc).float()
         if "a" in enc.tokens:
-            rows = torch.arange(enc.n, device=out.device) // self.token_group
-            factors = enc.groups["b"].float()[:, rows]  # (b, n, r, d)
+            factors = enc.per_token("b").float()  # (b, n, r, d)
             out = out + torch.einsum("bnr,bnrd->bnd", enc.tokens["a"].float(), factors)
         if "oidx" in enc.tokens:
             out = restore_outliers(out, enc.tokens["oidx"], enc.tokens["oval"])
@@ -65,7 +64,7 @@ class GearCodec(Codec):
 
     def token_bytes(self, dim: int) -> float:
         r = min(self.rank, dim)
-        low_rank = r * META_DTYPE.itemsize + r * dim * META_DTYPE.itemsize / self.token_group
+        low_rank = r * META_DTYPE.itemsize + r * dim * META_DTYPE.itemsize / (0.75 * self.token_group)
         return self.base.token_bytes(dim) + low_rank + self.n_outliers(dim) * (1 + META_DTYPE.itemsize)
 
 

@@ -50,12 +50,11 @@ class QuantileCodec(Codec):
 
     def decode(self, enc: Encoded) -> torch.Tensor:
         codes = unpack(enc.tokens["codes"], self.bits, enc.dim).long()  # (b, n, d)
-        rows = torch.arange(enc.n, device=codes.device) // self.group
-        levels = enc.groups["levels"][:, rows]  # (b, n, d, L)
+        levels = enc.per_token("levels")  # (b, n, d, L)
         return torch.gather(levels, -1, codes.unsqueeze(-1)).squeeze(-1).to(enc.dtype)
 
     def token_bytes(self, dim: int) -> float:
-        return packed_size(dim, self.bits) + dim * 2**self.bits * META_DTYPE.itemsize / self.group
+        return packed_size(dim, self.bits) + dim * 2**self.bits * META_DTYPE.itemsize / (0.75 * self.group)
 
 
 @register
