@@ -333,8 +333,7 @@ def _run_kvstack(
     else:
         results = (_aware(lm, prompt, s, b, new, eos, pad) for s, b in todo)
     for (stack, budget), (ids, m) in zip(todo, results, strict=True):
-        if "refused" in m:
-            refused[f"{stack.label} at {budget}"] = m["refused"]
+        if _refused(m, stack, budget, refused):
             advance()
             continue
         answer = lm.tokenizer.decode(ids[0], skip_special_tokens=True).strip()
@@ -355,6 +354,13 @@ def _run_kvstack(
             _peak_rss_mb(),
         )
         advance(store.add(row))
+
+
+def _refused(m: dict[str, Any], stack: Stack, budget: Budget, refused: dict[str, str]) -> bool:
+    """True (and noted in `refused`) when the cache refused this config: no row to store."""
+    if "refused" in m:
+        refused[f"{stack.label} at {budget}"] = m["refused"]
+    return "refused" in m
 
 
 def _aware(
@@ -384,8 +390,7 @@ def _run_fidelity(
     for (stack, budget), m in zip(
         todo, fidelity_forks(lm.model, list(fw.context), list(fw.continuation), todo), strict=True
     ):
-        if "refused" in m:
-            refused[f"{stack.label} at {budget}"] = m["refused"]
+        if _refused(m, stack, budget, refused):
             advance()
             continue
         row = Row(

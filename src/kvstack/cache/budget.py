@@ -78,11 +78,6 @@ class Cost:
     dropped: float = 0.0
     fixed: float = 0.0
 
-    @property
-    def ratio(self) -> float:
-        """Bytes of a kept token over a full one, ignoring the residual window."""
-        return self.kept / self.full
-
 
 def tokens_to_keep(budget: Budget, n_full: torch.Tensor, cost: Cost) -> torch.Tensor:
     """Tokens each head may keep (the rest evicted, or demoted) so its bytes stay within budget.
@@ -106,15 +101,22 @@ def tokens_to_keep(budget: Budget, n_full: torch.Tensor, cost: Cost) -> torch.Te
     return torch.minimum(keep.clamp(min=0).long(), n_full)
 
 
+def full_precision_room(budget: Budget, n_full: int, cost: Cost) -> float:
+    """Tokens a fraction budget pays for at full precision at `n_full` tokens per head, once the
+    fixed tables and every token's dropped cost are paid (negative when the tables alone do not fit)."""
+    assert budget.fraction is not None
+    spare = n_full * (budget.fraction * cost.full - cost.dropped) - cost.fixed
+    return spare / (cost.residual_bytes - cost.dropped)
+
+
 def unaffordable(budget: Budget, n_full: int, cost: Cost) -> str | None:
     """What of a quantizer's fixed cost a fraction budget cannot pay at `n_full` tokens per head:
     "fixed" (codebooks above the whole budget), "residual" (the full-precision window above it,
     while the sequence is longer than the window, so nothing would ever be quantized), or None."""
     if budget.fraction is None or budget.is_full or cost.residual_bytes == 0:
         return None
-    allowed = n_full * budget.fraction * cost.full - n_full * cost.dropped
-    if cost.fixed > allowed:
+    if cost.fixed > n_full * (budget.fraction * cost.full - cost.dropped):
         return "fixed"
-    if n_full > cost.residual and cost.residual * (cost.residual_bytes - cost.dropped) > allowed - cost.fixed:
+    if n_full > cost.residual and cost.residual > full_precision_room(budget, n_full, cost):
         return "residual"
     return None

@@ -17,7 +17,7 @@ from transformers.cache_utils import Cache
 
 from kvstack.cache import statistics
 from kvstack.cache.attention import ATTENTION, LayerView, register
-from kvstack.cache.budget import Budget, Cost, tokens_to_keep, unaffordable
+from kvstack.cache.budget import Budget, Cost, full_precision_room, tokens_to_keep, unaffordable
 from kvstack.cache.encoded import Codec
 from kvstack.cache.layer import CompressedLayer, SequenceState
 from kvstack.errors import UserError
@@ -85,6 +85,7 @@ class KVCache(Cache):
                 self.calibration[allocator.kind] = table
         self.codecs: tuple[Codec, Codec] | None = None  # how tokens beyond the residual window are stored
         self.demote_codecs: tuple[Codec, Codec] | None = None  # how tokens a selection leaves out are (MiKV)
+        self._cost: Cost | None = None  # bytes per token by how it is stored (`cost`), once tokens exist
         quantizer = self.stack.quantizer
         if quantizer is not None:
             quantizer.check(head_dim)
@@ -266,14 +267,13 @@ class KVCache(Cache):
         what = unaffordable(self.budget, n_full, cost)
         if what is None or quantizer is None:
             return
-        spare = n_full * (self.budget.fraction * cost.full - cost.dropped) - cost.fixed  # type: ignore[operator]
-        affordable = spare / (cost.residual_bytes - cost.dropped)
         if what == "fixed":
             raise UserError(
                 f"{quantizer.name}'s tables take {cost.fixed:.0f} bytes per head, more than budget {self.budget} "
                 f"pays for at {n_full} tokens: use smaller tables (e.g. cq(channels=2)) or a larger budget"
             )
-        group = cost.residual - quantizer.residual + 1
+        affordable = full_precision_room(self.budget, n_full, cost)
+        group = self.token_group
         fits = [r for r in (128, 64, 32, 16, 8, 0) if r + group - 1 <= affordable / 2]
         raise UserError(
             f"{quantizer.name}'s residual window ({quantizer.residual} tokens, + {group - 1} waiting for a full "
@@ -282,18 +282,26 @@ class KVCache(Cache):
         )
 
     def cost(self, layer: CompressedLayer) -> Cost:
-        """What a token of `layer` costs by how the stack stores it (see `Cost`)."""
-        full = layer.token_bytes(explicit_slots=False)
-        slot = layer.token_bytes() - full
-        if self.codecs is None:
-            return Cost(full, full + slot)
-        d = layer.keys[0].shape[-1]
-        kept = sum(c.token_bytes(d) for c in self.codecs) + slot
-        group = max(c.token_group for c in self.codecs)
-        quantizer = self.stack.quantizer
-        dropped = sum(c.token_bytes(d) for c in self.demote_codecs) + slot if self.demote_codecs else 0.0
-        fixed = sum(c.fixed_bytes(d) for c in (*self.codecs, *(self.demote_codecs or ())))
-        return Cost(full, kept, quantizer.residual + group - 1, full + slot, dropped, fixed)
+        """What a token of `layer` costs by how the stack stores it (see `Cost`); the same for
+        every layer and step of this cache, so computed once."""
+        if self._cost is None:
+            full = layer.token_bytes(explicit_slots=False)
+            slot = layer.token_bytes() - full
+            if self.codecs is None:
+                self._cost = Cost(full, full + slot)
+            else:
+                d = layer.keys[0].shape[-1]
+                kept = sum(c.token_bytes(d) for c in self.codecs) + slot
+                residual = self.stack.quantizer.residual + self.token_group - 1
+                dropped = sum(c.token_bytes(d) for c in self.demote_codecs) + slot if self.demote_codecs else 0.0
+                fixed = sum(c.fixed_bytes(d) for c in (*self.codecs, *(self.demote_codecs or ())))
+                self._cost = Cost(full, kept, residual, full + slot, dropped, fixed)
+        return self._cost
+
+    @property
+    def token_group(self) -> int:
+        """Tokens the quantizer encodes together (a group shares metadata); 1 without one."""
+        return max((c.token_group for c in self.codecs), default=1) if self.codecs else 1
 
     def n_exempt(self, layer: CompressedLayer, seen: int | None = None) -> torch.Tensor:
         """(b,) exempt real tokens among the first `seen` slots."""
@@ -421,11 +429,10 @@ class KVCache(Cache):
     def encode(self, layer: CompressedLayer) -> None:
         """Encode each head's oldest tokens held in the model's dtype beyond the quantizer's residual
         window, in whole groups (the quantizer's token group)."""
-        quantizer = self.stack.quantizer
-        if quantizer is None or self.codecs is None or not layer.is_initialized:
+        quantizer, group = self.stack.quantizer, self.token_group
+        if self.codecs is None or not layer.is_initialized:
             return
         started = self.compress_clock.start(layer.keys[0].device)
-        group = max(c.token_group for c in self.codecs)
         for h in range(layer.n_kv_heads):
             extra = layer.keys[h].shape[1] - quantizer.residual
             count = extra // group * group

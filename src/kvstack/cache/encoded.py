@@ -75,12 +75,14 @@ class Encoded:
         """(b, n, d) the tokens as the model reads them."""
         return self.codec.decode(self)
 
-    def rows(self) -> torch.Tensor | None:
-        """(b, n) the group row each token reads its group tensors from, or None while groups are
-        whole runs of `token_group` tokens (then row = token // token_group)."""
+    def rows(self) -> torch.Tensor:
+        """(b, n) the group row each token reads its group tensors from: token // token_group while
+        groups are whole runs, else from the counts of what each group holds."""
         count = self.groups.get("count")
         if count is None:
-            return None
+            any_group = next(iter(self.groups.values()))
+            runs = torch.arange(self.n, device=any_group.device) // self.codec.token_group
+            return runs.expand(any_group.shape[0], -1)
         ends = count.long().cumsum(1)  # (b, m)
         b, m = ends.shape
         at = torch.arange(self.n, device=ends.device).expand(b, self.n).contiguous()
@@ -98,12 +100,7 @@ class Encoded:
 
     def per_token(self, name: str) -> torch.Tensor:
         """The group tensor `name` (b, m, ...) read per token: (b, n, ...)."""
-        rows = self.rows()
-        if rows is None:
-            rows = (torch.arange(self.n, device=self.groups[name].device) // self.codec.token_group).expand(
-                self.groups[name].shape[0], -1
-            )
-        return gather_rows(self.groups[name], rows)
+        return gather_rows(self.groups[name], self.rows())
 
     def take(self, index: torch.Tensor) -> Encoded:
         """The tokens at `index` (b, k), sorted in each row. Per-token tensors are gathered; groups
@@ -113,10 +110,7 @@ class Encoded:
         tokens = {k: gather_rows(v, index) for k, v in self.tokens.items()}
         if not self.groups:
             return replace(self, n=index.shape[1], tokens=tokens)
-        rows = self.rows()
-        if rows is None:
-            rows = (torch.arange(self.n, device=index.device) // self.codec.token_group).expand(index.shape[0], -1)
-        kept_rows = torch.gather(rows, 1, index)  # (b, k), non-decreasing
+        kept_rows = torch.gather(self.rows(), 1, index)  # (b, k), non-decreasing
         m = self.counts().shape[1]
         count = torch.zeros(index.shape[0], m, dtype=torch.long, device=index.device)
         count.scatter_add_(1, kept_rows, torch.ones_like(kept_rows))

@@ -285,17 +285,11 @@ class CompressedLayer:
         if count <= 0:
             return
         keys, values = self.keys[h][:, :count], self.values[h][:, :count]
-
-        def observed() -> torch.Tensor | None:
-            return queries
-
-        where = Where(self.layer_idx, h, "key", observed)
+        where = Where(self.layer_idx, h, "key", lambda: queries)
         encoded = quantizer.encode(keys, values, where, codecs, self)
-        start = sum(c.n for c in self.coded[h])
-        in_place = len(encoded) == 1 and torch.equal(encoded[0][2].cpu(), torch.arange(count))
-        target = self._part_for(h, encoded[0][0].codec, encoded[0][1].codec)
-        if not in_place or target not in (None, len(self.coded[h]) - 1):  # tokens change place in storage
-            self._regroup(h, start, encoded)
+        targets = [self._part_for(h, enc_k.codec, enc_v.codec) for enc_k, enc_v, _ in encoded]
+        if len(encoded) > 1 or targets[0] not in (None, len(self.coded[h]) - 1):  # tokens change place in storage
+            self._regroup(h, encoded, targets)
         for enc_k, enc_v, _ in encoded:
             part, at = Coded(enc_k, enc_v), self._part_for(h, enc_k.codec, enc_v.codec)
             if at is None:
@@ -313,27 +307,25 @@ class CompressedLayer:
         ]
         return same[-1] if same else None
 
-    def _regroup(self, h: int, start: int, encoded: list[tuple[Encoded, Encoded, torch.Tensor]]) -> None:
-        """Reorder head h's slots and statistics for tokens that leave the model's dtype as several
-        parts: `encoded` lists (keys, values, positions (n_i,) among the tokens leaving)."""
+    def _regroup(self, h: int, encoded: list[tuple[Encoded, Encoded, torch.Tensor]], targets: list[int | None]) -> None:
+        """Reorder head h's slots and statistics for tokens leaving the model's dtype into parts
+        that are not simply appended: `encoded` lists (keys, values, positions (n_i,) among the
+        tokens leaving), `targets` the existing part each joins (None: a new part at the end)."""
         b = self.batch
         slots = self.head_slots(h).expand(b, -1).to(SLOT_DTYPE)
         if self.slots is None:
             self.slots = [self.head_slots(i).expand(b, -1).to(SLOT_DTYPE).clone() for i in range(self.n_kv_heads)]
-        bounds, at = [], 0
-        for part in self.coded[h]:
-            bounds.append((part, at, at + part.n))
-            at += part.n
-        order: list[torch.Tensor] = []
-        pending = dict(enumerate(encoded))
         device = slots.device
-        for part, lo, hi in bounds:
-            order.append(torch.arange(lo, hi, device=device))
-            for i, (enc_k, enc_v, pos) in list(pending.items()):
-                if not part.demoted and part.keys.codec is enc_k.codec and part.values.codec is enc_v.codec:
-                    order.append(start + pos.to(device))
-                    del pending[i]
-        order += [start + pos.to(device) for _, _, pos in pending.values()]
+        start = sum(c.n for c in self.coded[h])  # where the tokens leaving sit now
+        joining = [
+            [start + pos.to(device) for (_, _, pos), t in zip(encoded, targets, strict=True) if t == i]
+            for i in range(len(self.coded[h]))
+        ]
+        order, lo = [], 0
+        for part, extra in zip(self.coded[h], joining, strict=True):
+            order += [torch.arange(lo, lo + part.n, device=device), *extra]
+            lo += part.n
+        order += [start + pos.to(device) for (_, _, pos), t in zip(encoded, targets, strict=True) if t is None]
         leaving = sum(pos.numel() for _, _, pos in encoded)
         order.append(torch.arange(start + leaving, slots.shape[1], device=device))
         index = torch.cat(order)

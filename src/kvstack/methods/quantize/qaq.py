@@ -62,7 +62,6 @@ class Qaq(Quantizer):
 
     name = "qaq"
     paper = "#18"
-    channel_groups = False
     window: int = 5
     t_k: float = 1e5
     t_v: float = 1e2
