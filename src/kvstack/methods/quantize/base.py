@@ -30,7 +30,7 @@ class Quantizer(Stage):
 
     def __post_init__(self) -> None:
         for name in ("bits", "k", "v", "hi", "lo"):
-            if isinstance(getattr(self, name, None), int) and not (name == "hi" and getattr(self, name) == 16):
+            if isinstance(getattr(self, name, None), int):
                 check_bits(getattr(self, name), self.name)
         if self.residual < 0:
             raise ValueError(f"{self.name}: residual must be >= 0 (newest tokens kept in full precision)")

@@ -88,6 +88,8 @@ class Cq(Quantizer):
         super().__post_init__()
         if self.channels == 0:
             self.channels = max(1, 8 // self.bits)
+        if self.samples < 1 or self.tokens < 2:
+            raise ValueError("cq: learn codebooks on samples >= 1 prose samples of tokens >= 2 tokens")
         if self.bits * self.channels > 8:
             raise ValueError(
                 f"cq: bits x channels must be at most 8 (a codebook of 256), got {self.bits * self.channels}"

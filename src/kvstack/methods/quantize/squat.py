@@ -82,6 +82,11 @@ class Squat(Quantizer):
     queries: int = 64
     residual: int = field(default=32, kw_only=True)
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.block < 1 or self.rank < 0 or self.queries < 0:
+            raise ValueError("squat: block >= 1 (channels per step), rank >= 0 and queries >= 0 please")
+
     @property
     def query_window(self) -> int:
         return self.queries
