@@ -15,7 +15,7 @@ from typing import Any
 from kvstack.cache.budget import Budget
 from kvstack.errors import UserError, unknown_name
 from kvstack.methods.allocate.base import Allocator
-from kvstack.methods.base import Method, Stage
+from kvstack.methods.base import SELECTION, Method, Stage
 from kvstack.methods.registry import method_class
 
 
@@ -32,16 +32,32 @@ class Stack:
         if not text:
             raise UserError("empty method spec: give a method name such as snapkv (see `kvstack methods`)")
         stages = tuple(_parse_stage(part) for part in _split_top(text, "+"))
-        evictors = [s for s in stages if s.family in ("evict", "reference", "allocate")]
+        evictors = [s for s in stages if s.family in SELECTION]
         if len(evictors) > 1:
             names = " + ".join(s.name for s in evictors)
             raise UserError(f"'{spec}' stacks two eviction methods ({names}): keep one")
-        quantizers = [p for s in stages for p in s.chain() if hasattr(p, "codecs")]
-        if len(quantizers) > 1:
-            names = " + ".join(q.name for q in quantizers)
-            raise UserError(f"'{spec}' stacks two quantizers ({names}): keep one")
+        storing = [p for s in stages for p in s.chain() if hasattr(p, "codecs")]
+        projectors = [p for p in storing if p.family == "lowrank"]
+        quantizers = [p for p in storing if p.family != "lowrank"]
+        for kind, found in (("quantizers", quantizers), ("low-rank stages", projectors)):
+            if len(found) > 1:
+                raise UserError(f"'{spec}' stacks two {kind} ({' + '.join(q.name for q in found)}): keep one")
+        if projectors and quantizers:
+            from kvstack.methods.lowrank.base import can_follow_projection
+
+            why = can_follow_projection(quantizers[0]) if quantizers[0].family == "quantize" else "it is an evictor"
+            if why:
+                raise UserError(
+                    f"'{spec}': {quantizers[0].name} cannot code {projectors[0].name}'s coefficients ({why}): "
+                    "use kivi, int, adaquant, quantile or gear with a projection"
+                )
+        joiners = [s for s in stages if hasattr(s, "join")]
+        if len(joiners) > 1:
+            raise UserError(f"'{spec}' stacks two cross-layer stages: keep one")
         stack = cls(stages)
-        if quantizers and stack.compensates:
+        if stack.merger is not None and stack.compensates:
+            raise UserError(f"'{spec}': razor's compensation token and merging both fold evicted tokens: keep one")
+        if storing and stack.compensates:
             raise UserError(
                 f"'{spec}': razor's compensation token cannot average encoded tokens: "
                 "use razor(..., compensate=False) with a quantizer"
@@ -52,7 +68,7 @@ class Stack:
     def selection(self) -> list[Stage]:
         """The selection stage and everything it wraps, outermost first (allocators, then the scorer)."""
         for stage in self.stages:
-            if stage.family in ("evict", "allocate"):
+            if stage.family in SELECTION and stage.family != "reference":
                 return stage.chain()
         return []
 
@@ -86,12 +102,25 @@ class Stack:
 
     @property
     def quantizer(self) -> Any:
-        """The stage that decides how kept tokens are stored (a `Quantizer`, or MiKV), or None."""
-        for stage in self.stages:
-            for part in stage.chain():
-                if hasattr(part, "codecs"):
-                    return part
-        return None
+        """What decides how kept tokens are stored (a `Quantizer`, MiKV, a low-rank `Projector`, or
+        a projector whose coefficients a quantizer codes), or None."""
+        storing = [part for stage in self.stages for part in stage.chain() if hasattr(part, "codecs")]
+        if len(storing) == 2:
+            from kvstack.methods.lowrank.base import Projected
+
+            projector = next(p for p in storing if p.family == "lowrank")
+            return Projected(projector, next(p for p in storing if p is not projector))
+        return storing[0] if storing else None
+
+    @property
+    def merger(self) -> Any:
+        """The selection stage that merges the tokens it leaves out into kept ones, or None."""
+        return next((s for s in self.selection if getattr(s, "merges", False)), None)
+
+    @property
+    def joiner(self) -> Any:
+        """The cross-layer stage that joins adjacent layers' states (MiniCache, xKV), or None."""
+        return next((s for s in self.stages if hasattr(s, "join")), None)
 
     @property
     def demotes(self) -> bool:

@@ -73,12 +73,17 @@ def head_mask(
     return allowed.unsqueeze(1)
 
 
-def attention_probs(query: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, scaling: float) -> torch.Tensor:
+def attention_probs(
+    query: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, scaling: float, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """(b, g, q, t) softmax attention in float32 for query (b, g, q, d), keys (b, t, d).
 
-    The product runs in the model's dtype (bf16 matmuls are 2-4x faster on CPU), the softmax in float32.
+    bias: (b, t) added to the logits (a merged entry's log-count), or None. The product runs in
+    the model's dtype (bf16 matmuls are 2-4x faster on CPU), the softmax in float32.
     """
     logits = torch.matmul(query, keys.unsqueeze(1).transpose(-1, -2)).float() * scaling
+    if bias is not None:
+        logits = logits + bias[:, None, None, :]
     return torch.softmax(logits.masked_fill(~mask, float("-inf")), dim=-1)
 
 
@@ -114,6 +119,7 @@ def kvstack_attention(
             padding,
             sliding_window,
             scale,
+            lambda h: None,
         ), None
     view = key
     layer, cache = view.layer, view.cache
@@ -135,6 +141,7 @@ def kvstack_attention(
         padding,
         sliding_window,
         scale,
+        layer.head_bias,
     )
     cache.observe(layer, query, view.query_slots, padding, sliding_window, scale)
     return out, None
@@ -150,12 +157,14 @@ def _attend(
     padding: torch.Tensor | None,
     window: int | None,
     scale: float,
+    bias_of: Callable[[int], torch.Tensor | None],
 ) -> torch.Tensor:
     """Per KV head h: its group of queries (b, g, q, d) attends its own keys/values (b, t_h, d).
 
     keys_of(h), values_of(h) give head h's tensors (decoding encoded tokens one head at a time,
     so the full-precision copy never spans the whole cache); slots_of(h) gives its slots (b, t_h)
-    or (t_h,), only called when a mask is needed.
+    or (t_h,), only called when a mask is needed; bias_of(h) the (b, t_h) log-counts of merged
+    entries added to their logits, or None.
     """
     b, n_q_heads, q, d = query.shape
     g = n_q_heads // n_kv_heads
@@ -166,6 +175,14 @@ def _attend(
             out = query.new_empty(b, n_q_heads, q, v.shape[-1])
         qh = query[:, h * g : (h + 1) * g]
         k4, v4 = k.unsqueeze(1), v.unsqueeze(1)
+        bias = bias_of(h)
+        if bias is not None:  # merged entries: an additive float mask carries their log-counts
+            allowed = head_mask(slots_of(h), query_slots, padding, window)  # (b or 1, 1, q, t)
+            add = torch.where(allowed, bias[:, None, None, :], float("-inf")).to(qh.dtype)
+            out[:, h * g : (h + 1) * g] = F.scaled_dot_product_attention(
+                qh, k4, v4, attn_mask=add, scale=scale, enable_gqa=True
+            )
+            continue
         if q == 1 and padding is None:  # one new query sees every held token: older ones left the window
             out[:, h * g : (h + 1) * g] = F.scaled_dot_product_attention(qh, k4, v4, scale=scale, enable_gqa=True)
             continue

@@ -19,7 +19,7 @@ from kvstack.cache import statistics
 from kvstack.cache.attention import ATTENTION, LayerView, register
 from kvstack.cache.budget import Budget, Cost, full_precision_room, tokens_to_keep, unaffordable
 from kvstack.cache.encoded import Codec
-from kvstack.cache.layer import CompressedLayer, SequenceState
+from kvstack.cache.layer import CompressedLayer, SequenceState, storage_bytes
 from kvstack.errors import UserError
 from kvstack.methods.base import Observation, recent_mask
 from kvstack.methods.select import select
@@ -287,6 +287,8 @@ class KVCache(Cache):
         if self._cost is None:
             full = layer.token_bytes(explicit_slots=False)
             slot = layer.token_bytes() - full
+            if self.stack.merger is not None and self.stack.merger.log_count:
+                slot += 4  # the float32 log-count of a merged entry
             if self.codecs is None:
                 self._cost = Cost(full, full + slot)
             else:
@@ -376,6 +378,15 @@ class KVCache(Cache):
         that scores by re-reading the prompt (KVzip) waits for `compress_all` after that pass.
         """
         layer.trim_window()
+        self._maintain_alone(layer, decoding)
+        joiner = self.stack.joiner
+        if joiner is not None and not self.waiting:
+            started = self.compress_clock.start(layer.keys[0].device)
+            joiner.join(self, layer, decoding)
+            self.compress_clock.stop(started)
+
+    def _maintain_alone(self, layer: CompressedLayer, decoding: bool) -> None:
+        """`maintain` for one layer on its own: evict to the budget, encode the oldest."""
         method = self.stack.evictor
         if method is None or self.budget.is_full:
             self.encode(layer)
@@ -486,17 +497,30 @@ class KVCache(Cache):
         keep = torch.where(over, keep, counts)
         obs.keep = keep
         decision = select(scores, obs.valid, obs.slots, keep, protected)
-        if folding:
+        if folding or self.stack.merger is not None:
             kept = torch.zeros_like(obs.valid)
             real = torch.arange(decision.index.shape[-1], device=kept.device) < decision.count.unsqueeze(-1)
             kept.scatter_(-1, decision.index, real)
+        if folding:
             dropped = obs.valid & ~kept
             dense_keys, dense_values, dense_slots = obs.keys, obs.values, obs.slots
+        if self.stack.merger is not None:
+            self.merge(layer, obs, kept)
         layer.apply(decision, self.demote_codecs)
         if folding:
             layer.fold(dropped, dense_keys, dense_values, dense_slots)
         self.compress_clock.stop(start)
         self.compressions += 1
+
+    def merge(self, layer: CompressedLayer, obs: Observation, kept: torch.Tensor) -> None:
+        """Fold the tokens a selection leaves out (not `kept`, (b, h, t)) into kept ones, as the
+        stack's merging stage decides; only entries held in the model's dtype are rewritten."""
+        from kvstack.methods.merge.base import merge_states
+
+        merger = self.stack.merger
+        plan = merger.merge(obs, kept).into(obs.plain & kept)
+        keys, values, log_count, changed = merge_states(obs.keys, obs.values, obs.log_count, plan)
+        layer.rewrite(changed, keys, values, log_count if merger.log_count else None)
 
     @contextmanager
     def exempt(self) -> Iterator[None]:
@@ -510,8 +534,9 @@ class KVCache(Cache):
 
     # ---- measurement -----------------------------------------------------------------------
     def nbytes(self) -> int:
-        """Bytes the cache really holds for attention, read off its tensors' storage."""
-        return sum(layer.nbytes() for layer in self.layers)
+        """Bytes the cache really holds for attention, read off its tensors' storage (storage
+        shared by several layers counted once)."""
+        return storage_bytes([t for layer in self.layers for t in layer.tensors()])
 
     def aux_nbytes(self) -> int:
         """Bytes of method state (observed queries, attention statistics) on top of `nbytes()`."""

@@ -22,13 +22,17 @@ META_DTYPE = torch.float16  # scales and zeros, as KIVI stores them
 
 @dataclass(frozen=True)
 class Where:
-    """Which tensor a codec encodes: layer, KV head, "key" or "value", and the head's observed
-    queries (b, g, w, d) for methods that quantize with the queries in mind (SQuat)."""
+    """Which tensor a codec encodes: layer, KV head, "key" or "value", the head's observed
+    queries (b, g, w, d) for methods that quantize with the queries in mind (SQuat), and the
+    positions (b, n) of the tokens being encoded with the layer's RoPE inverse frequencies
+    (d/2,) for methods that undo the rotation (ShadowKV's pre-RoPE keys)."""
 
     layer: int
     head: int
     kind: str
     queries: Callable[[], torch.Tensor | None] = lambda: None
+    positions: Callable[[], torch.Tensor | None] = lambda: None
+    inv_freq: torch.Tensor | None = None
 
 
 class Codec:
@@ -67,9 +71,9 @@ class Encoded:
     shared: dict[str, torch.Tensor]
 
     def __post_init__(self) -> None:
-        # the queries an encoder looked at are not kept (they would stay alive, uncounted): an
-        # encoding done again after an eviction rounds without them
-        self.where = Where(self.where.layer, self.where.head, self.where.kind)
+        # the queries and positions an encoder looked at are not kept (they would stay alive,
+        # uncounted): an encoding done again after an eviction rounds without them
+        self.where = Where(self.where.layer, self.where.head, self.where.kind, inv_freq=self.where.inv_freq)
 
     def decode(self) -> torch.Tensor:
         """(b, n, d) the tokens as the model reads them."""

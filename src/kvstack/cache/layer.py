@@ -5,6 +5,10 @@ codes), then the newest in the model's dtype (keys, values (b, r_h, d)); and the
 of each token (b, t_h) in that storage order. Slots stay implicit (a contiguous range, zero
 bytes) until the first eviction. A slot of -1 marks an empty place, used only when sequences
 of one batch keep different counts. Methods see every head as one dense view sorted by slot.
+
+A merging method makes one entry stand for several tokens: its count is kept as a per-token
+log-count (`WEIGHT`, float32 (b, t_h)) that attention adds to the entry's logit, so the merged
+tokens keep their share of attention mass. It is part of the KV bytes, created on first merge.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from kvstack.cache.encoded import Codec, Encoded, Where, gather_rows
 from kvstack.methods.select import Keep
 
 SLOT_DTYPE = torch.int32
+WEIGHT = "log_count"  # per-token statistic: log of how many tokens a merged entry stands for
 
 
 def storage_bytes(tensors: list[torch.Tensor]) -> int:
@@ -168,6 +173,12 @@ class CompressedLayer:
             return self.values[h]
         return torch.cat([*(c.values.decode() for c in self.coded[h]), self.values[h]], dim=1)
 
+    def head_bias(self, h: int) -> torch.Tensor | None:
+        """(b, t_h) float32 log-count added to head h's attention logits (storage order), or None
+        when nothing was merged."""
+        weights = self.stats.get(WEIGHT)
+        return weights[h] if weights is not None else None
+
     @property
     def is_coded(self) -> bool:
         """True once some tokens are held encoded."""
@@ -176,8 +187,8 @@ class CompressedLayer:
     def storage_order(self, h: int) -> torch.Tensor | None:
         """(b, t_h) the storage positions of head h sorted by slot (empty places last), or None
         when storage is already in slot order (it is unless tokens of one head are held at
-        several precisions: MiKV's demoted ones, QAQ's per-token bit widths)."""
-        if len(self.coded[h]) < 2 and not any(c.demoted for c in self.coded[h]):
+        several precisions: MiKV's demoted ones, QAQ's per-token bit widths, MiniCache's retained ones)."""
+        if not self.coded[h]:
             return None
         slots = self.head_slots(h).expand(self.batch, -1)
         key = torch.where(slots < 0, torch.iinfo(torch.long).max, slots)
@@ -237,19 +248,27 @@ class CompressedLayer:
     def nbytes(self) -> int:
         """Bytes of storage this layer keeps alive for attention: keys, values, slots (and the
         compensation tokens' bookkeeping)."""
+        return storage_bytes(self.tensors())
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor this layer keeps alive for attention (what `nbytes` counts); a cache that
+        shares storage across layers (MiniCache, xKV) counts it once over all layers' lists."""
         comp = [t for t in (self.comp_slot, self.comp_count) if t is not None]
         coded = [t for parts in self.coded for c in parts for t in c.tensors()]
-        return storage_bytes([*self.keys, *self.values, *coded, *(self.slots or []), *comp])
+        weight = self.stats.get(WEIGHT, [])
+        return [*self.keys, *self.values, *coded, *(self.slots or []), *comp, *weight]
 
     def head_nbytes(self, h: int) -> int:
         """Bytes of storage head h keeps alive (tables shared by heads, such as codebooks, included)."""
         coded = [t for c in self.coded[h] for t in c.tensors()]
-        return storage_bytes([self.keys[h], self.values[h], *coded, *([self.slots[h]] if self.slots else [])])
+        weight = [self.stats[WEIGHT][h]] if WEIGHT in self.stats else []
+        return storage_bytes([self.keys[h], self.values[h], *coded, *([self.slots[h]] if self.slots else []), *weight])
 
     def aux_nbytes(self) -> int:
         """Bytes of what methods observe (queries, attention statistics), not part of the KV."""
         queries = [self.queries] if self.queries is not None else []
-        return storage_bytes([*queries, *(t for per_head in self.stats.values() for t in per_head)])
+        stats = [t for name, per_head in self.stats.items() if name != WEIGHT for t in per_head]
+        return storage_bytes([*queries, *stats])
 
     def token_bytes(self, explicit_slots: bool = True) -> int:
         """Bytes one token costs in one head: key, value and (once compressed) its slot."""
@@ -285,7 +304,7 @@ class CompressedLayer:
         if count <= 0:
             return
         keys, values = self.keys[h][:, :count], self.values[h][:, :count]
-        where = Where(self.layer_idx, h, "key", lambda: queries)
+        where = Where(self.layer_idx, h, "key", lambda: queries, lambda: self._positions(h, count), self.inv_freq)
         encoded = quantizer.encode(keys, values, where, codecs, self)
         targets = [self._part_for(h, enc_k.codec, enc_v.codec) for enc_k, enc_v, _ in encoded]
         if len(encoded) > 1 or targets[0] not in (None, len(self.coded[h]) - 1):  # tokens change place in storage
@@ -297,6 +316,14 @@ class CompressedLayer:
             else:
                 self.coded[h][at] = self.coded[h][at].cat(part)
         self.keys[h], self.values[h] = self.keys[h][:, count:].clone(), self.values[h][:, count:].clone()
+
+    def _positions(self, h: int, count: int) -> torch.Tensor:
+        """(b, count) positions in their sequences of head h's `count` oldest tokens held in the
+        model's dtype (padding not counted)."""
+        first = self.head_len(h) - self.keys[h].shape[1]
+        slots = self.head_slots(h).expand(self.batch, -1)[:, first : first + count].clamp(min=0)
+        index = self.seq.token_index()
+        return slots if index is None else torch.gather(index, 1, slots)
 
     def _part_for(self, h: int, key_codec: Codec, value_codec: Codec) -> int | None:
         """Index of head h's part (not demoted) with these codecs, or None."""
@@ -433,6 +460,38 @@ class CompressedLayer:
         coded = [part for part, _, _ in pieces if part is not None]
         return gather_rows(self.keys[h], at), gather_rows(self.values[h], at), coded, new_slots, stats
 
+    def rewrite(
+        self, changed: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, log_count: torch.Tensor | None
+    ) -> None:
+        """Replace the dense view's entries where `changed` (b, h, t) with keys, values (b, h, t, d)
+        and, unless None, log-counts (b, h, t): a merge executed. Changed entries must be held in
+        the model's dtype (encoded ones are never rewritten)."""
+        if log_count is not None and WEIGHT not in self.stats:
+            self.stats[WEIGHT] = [
+                self.keys[0].new_zeros(self.batch, self.head_len(i), dtype=torch.float32)
+                for i in range(self.n_kv_heads)
+            ]
+        for h in range(self.n_kv_heads):
+            t_h, plain = self.head_len(h), self.keys[h].shape[1]
+            order = self.storage_order(h)
+            dense_at = (  # (b, t_h) the dense position of each storage position
+                torch.arange(t_h, device=changed.device).expand(self.batch, -1)
+                if order is None
+                else torch.argsort(order, dim=1)
+            )
+            hit = torch.gather(changed[:, h], 1, dense_at)  # (b, t_h) in storage order
+            if bool(hit[:, : t_h - plain].any()):
+                raise ValueError("a merge may only rewrite tokens held in the model's dtype")
+            if not bool(hit.any()):
+                continue
+            at = dense_at[:, t_h - plain :]
+            write = hit[:, t_h - plain :, None]
+            self.keys[h] = torch.where(write, gather_rows(keys[:, h], at).to(self.keys[h].dtype), self.keys[h])
+            self.values[h] = torch.where(write, gather_rows(values[:, h], at).to(self.values[h].dtype), self.values[h])
+            if log_count is not None:
+                new = torch.gather(log_count[:, h].float(), 1, dense_at)
+                self.stats[WEIGHT][h] = torch.where(hit, new, self.stats[WEIGHT][h])
+
     def _apply_plain(self, keep: Keep) -> None:
         """`apply` for a layer holding every token in the model's dtype."""
         slots = self.dense_slots()
@@ -559,7 +618,7 @@ class CompressedLayer:
         new.keys, new.values = list(self.keys), list(self.values)
         new.coded = [list(parts) for parts in self.coded]
         new.slots = list(self.slots) if self.slots is not None else None
-        new.stats = {name: list(per_head) for name, per_head in self.stats.items() if name in needs}
+        new.stats = {name: list(per_head) for name, per_head in self.stats.items() if name in needs | {WEIGHT}}
         if query_window <= 0 or self.queries is None:
             new.queries, new.query_slots = None, None
         else:

@@ -33,13 +33,14 @@ def record(
         q_real = torch.gather(padding, 1, query_slots.unsqueeze(0).expand(padding.shape[0], -1)).float()
     for h in range(layer.n_kv_heads):
         qh, slots, keys = query[:, h * g : (h + 1) * g], layer.head_slots(h), layer.head_keys(h)
+        bias = layer.head_bias(h)
         if needs & {"attention_sum", "max_attention"}:
             total = torch.zeros(qh.shape[0], layer.head_len(h), device=query.device)
             most = torch.zeros_like(total)
             for start in range(0, qh.shape[2], CHUNK):
                 end = min(start + CHUNK, qh.shape[2])
                 p = attention_probs(
-                    qh[:, :, start:end], keys, head_mask(slots, query_slots[start:end], padding, window), scale
+                    qh[:, :, start:end], keys, head_mask(slots, query_slots[start:end], padding, window), scale, bias
                 )
                 if q_real is not None:
                     p = p * q_real[:, None, start:end, None]
@@ -50,5 +51,5 @@ def record(
             if "max_attention" in needs:
                 layer.add_stat("max_attention", h, most, accumulate="max")
         if "last_attention" in needs:
-            p = attention_probs(qh[:, :, -1:], keys, head_mask(slots, query_slots[-1:], padding, window), scale)
+            p = attention_probs(qh[:, :, -1:], keys, head_mask(slots, query_slots[-1:], padding, window), scale, bias)
             layer.add_stat("last_attention", h, p.mean(dim=(1, 2)), accumulate=False)

@@ -19,6 +19,9 @@ if TYPE_CHECKING:
     from kvstack.cache.layer import CompressedLayer
 
 
+SELECTION = ("evict", "reference", "allocate", "merge")  # families of stages that choose the tokens kept
+
+
 class Observation:
     """What a method may see of one layer, as padded dense views built on first access.
 
@@ -96,6 +99,26 @@ class Observation:
         if pad is None:
             return torch.ones(self._layer.batch, slots.shape[0], dtype=torch.bool, device=slots.device)
         return pad[:, slots].bool()
+
+    @cached_property
+    def log_count(self) -> torch.Tensor:
+        """(b, h, t) log of how many tokens each held entry stands for (0 unless merged)."""
+        from kvstack.cache.layer import WEIGHT
+
+        if WEIGHT not in self._layer.stats:
+            return self.slots.new_zeros(self.slots.shape, dtype=torch.float32)
+        return self._layer.dense(self._layer.stats[WEIGHT], fill=0.0)
+
+    @cached_property
+    def plain(self) -> torch.Tensor:
+        """(b, h, t) True where a token is held in the model's dtype (not encoded): what a merge may rewrite."""
+        b = self._layer.batch
+        flags = []
+        for h in range(self._layer.n_kv_heads):
+            coded = self._layer.head_len(h) - self._layer.keys[h].shape[1]
+            flag = torch.arange(self._layer.head_len(h), device=self.slots.device) >= coded
+            flags.append(flag.expand(b, -1))
+        return self._layer.dense(flags, fill=False).bool() & self.valid
 
     @cached_property
     def attention_sum(self) -> torch.Tensor:

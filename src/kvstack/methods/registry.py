@@ -30,5 +30,8 @@ def all_methods() -> dict[str, type[Stage]]:
 
 def _load_all() -> None:
     import kvstack.methods.allocate  # noqa: F401  (registers the budget allocators)
+    import kvstack.methods.crosslayer  # noqa: F401  (registers the cross-layer stages)
     import kvstack.methods.evict  # noqa: F401  (registers the eviction family)
+    import kvstack.methods.lowrank  # noqa: F401  (registers the low-rank stages)
+    import kvstack.methods.merge  # noqa: F401  (registers the merging family)
     import kvstack.methods.quantize  # noqa: F401  (registers the quantizers)

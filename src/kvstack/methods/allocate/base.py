@@ -79,7 +79,7 @@ class Allocator(Stage):
     scorer: Stage = field(default_factory=default_scorer)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.scorer, Stage) or self.scorer.family not in ("evict", "allocate"):
+        if not isinstance(self.scorer, Stage) or self.scorer.family not in ("evict", "allocate", "merge"):
             given = getattr(self.scorer, "name", self.scorer)
             raise ValueError(f"{self.name}: scorer must be an eviction method such as snapkv, got {given!r}")
 

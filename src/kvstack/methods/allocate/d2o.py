@@ -8,7 +8,8 @@ from typing import ClassVar
 import torch
 
 from kvstack.methods.allocate.base import Allocator, Plan, default_scorer
-from kvstack.methods.base import Stage
+from kvstack.methods.base import Observation, Stage
+from kvstack.methods.merge.base import Merge, Merger, nearest_kept
 from kvstack.methods.registry import register
 
 
@@ -31,9 +32,17 @@ def d2o_weights(spread: torch.Tensor) -> torch.Tensor:
     return torch.softmax(-spread.double(), dim=0) * spread.shape[0]
 
 
+def recall_weights(similarity: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
+    """(b, h, t) D2O's merge weights: a token left out whose nearest kept key has cosine
+    similarity s >= threshold (b, h, 1) joins it with weight exp(s) / e, the kept token keeping
+    weight 1 (that is e / (e + sum exp(s)) after normalising, as in the reference); 0 otherwise."""
+    joins = torch.isfinite(similarity) & (similarity >= threshold)
+    return torch.where(joins, torch.exp(similarity - 1.0), torch.zeros_like(similarity))
+
+
 @register
 @dataclass
-class D2O(Allocator):
+class D2O(Allocator, Merger):
     """Dynamic Discriminative Operations, layer level: a layer whose attention is spread evenly
     over the prompt (low variance of the attention each token received, summed over the prompt's
     queries) needs many tokens; a layer that attends to a few tokens can give some up. Per layer
@@ -42,12 +51,20 @@ class D2O(Allocator):
     modeling_llama3_7b_13b_d2o.py computes e during prefill). Default scorer h2o: D2O keeps
     H2O's heavy hitters (accumulated attention) plus a recent window inside each layer's budget.
 
+    Token level (`recall`, on by default): every token the scorer leaves out is compared with
+    the kept ones by key cosine similarity; if its nearest kept key is at least as similar as
+    the threshold, it is recalled and merged into it with weight exp(s) / e (`recall_weights`),
+    keys and values alike. Merged entries carry no extra attention weight (`log_count=False`,
+    as in the paper); `d2o(recall=False)` is the allocator alone.
+
     Deviations: the attention sums are per KV head (summed over its query group), not per query
     head, and per batch row; the reference never compresses layers 0, 1 and L-1, we keep the
-    budget honest and weigh every layer. D2O's token-level half (merging evicted tokens into
-    kept ones by cosine similarity) is a separate method, not this allocator.
+    budget honest and weigh every layer. The reference keeps the threshold as an exponential
+    moving average of the similarities over decoding steps; here a method holds no state, so
+    the threshold is the mean nearest similarity of the tokens left out at each compression.
 
-    Shapes: attention_sum (b, h, t) per layer -> e (L, b) -> weights (L, b, h).
+    Shapes: attention_sum (b, h, t) per layer -> e (L, b) -> weights (L, b, h); merge target
+    and weight (b, h, t).
     """
 
     name = "d2o"
@@ -55,6 +72,20 @@ class D2O(Allocator):
     needs = frozenset({"attention_sum"})
     whole_prompt: ClassVar[bool] = True
     scorer: Stage = field(default_factory=lambda: default_scorer("h2o"))
+    recall: bool = True
+    log_count: bool = False
+
+    @property
+    def merges(self) -> bool:  # type: ignore[override]
+        return self.recall
+
+    def merge(self, obs: Observation, kept: torch.Tensor) -> Merge:
+        target, similarity = nearest_kept(obs.keys, kept, obs.valid)
+        left_out = obs.valid & ~kept & torch.isfinite(similarity)
+        n = left_out.sum(-1, keepdim=True).clamp(min=1)
+        threshold = torch.where(left_out, similarity, torch.zeros_like(similarity)).sum(-1, keepdim=True) / n
+        weight = torch.where(left_out, recall_weights(similarity, threshold), torch.zeros_like(similarity))
+        return Merge(torch.where(weight > 0, target, -1), weight)
 
     def weights(self, plan: Plan) -> torch.Tensor:
         L, b, h = plan.shape

@@ -9,7 +9,7 @@ keeps more tokens.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 import torch
@@ -67,7 +67,7 @@ class Quantizer(Stage):
         (most methods: one, all positions). `layer` is the CompressedLayer, for methods that
         weigh tokens by attention (QAQ)."""
         k, v = codecs
-        value_where = Where(where.layer, where.head, "value", where.queries)
+        value_where = replace(where, kind="value")
         everything = torch.arange(keys.shape[1], device=keys.device)
         return [(k.encode(keys, where), v.encode(values, value_where), everything)]
 

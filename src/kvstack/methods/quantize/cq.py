@@ -20,6 +20,7 @@ import torch
 
 from kvstack.cache.encoded import META_DTYPE, Codec, Encoded, Where
 from kvstack.cache.packing import pack, packed_size, unpack
+from kvstack.calibrate.prose import calibration_states
 from kvstack.errors import UserError
 from kvstack.methods.quantize.base import Quantizer
 from kvstack.methods.registry import register
@@ -123,27 +124,15 @@ class Cq(Quantizer):
 
     def learn(self, model: Any) -> torch.Tensor:
         """(L, h_kv, 2, d/c, K, c) codebooks: k-means on the keys and values of prose samples."""
-        from kvstack.cache.cache import KVCache
         from kvstack.calibrate.store import Ticker
 
-        ids = calibration_ids(model, self.samples, self.tokens)
-        keys: list[list[torch.Tensor]] = []
-        values: list[list[torch.Tensor]] = []
-        with torch.no_grad():
-            for row in ids:
-                cache = KVCache(model, "full", 1.0)
-                model(row.unsqueeze(0).to(model.device), past_key_values=cache)
-                for i, layer in enumerate(cache.layers):
-                    if len(keys) <= i:
-                        keys.append([]), values.append([])
-                    keys[i].append(torch.stack(layer.keys, 0)[:, 0].float().cpu())  # (h, t, d)
-                    values[i].append(torch.stack(layer.values, 0)[:, 0].float().cpu())
-        n_layers, k = len(keys), 2 ** (self.bits * self.channels)
+        states = calibration_states(model, self.samples, self.tokens)
+        n_layers, k = len(states), 2 ** (self.bits * self.channels)
         tables = []
         with Ticker(f"cq: learning codebooks ({n_layers} layers)", n_layers) as ticker:
             for i in range(n_layers):
                 per_kind = []
-                for data in (torch.cat(keys[i], 1), torch.cat(values[i], 1)):  # (h, N, d)
+                for data in states[i]:  # keys, values (h, N, d)
                     h, n, d = data.shape
                     groups = data.reshape(h, n, d // self.channels, self.channels).permute(0, 2, 1, 3)
                     books = kmeans(groups.reshape(h * (d // self.channels), n, self.channels), min(k, n), seed=i)
@@ -153,18 +142,3 @@ class Cq(Quantizer):
                 tables.append(torch.stack(per_kind, 1))  # (h, 2, G, K, c)
                 ticker.advance()
         return torch.stack(tables)
-
-
-def calibration_ids(model: Any, samples: int, tokens: int) -> list[torch.Tensor]:
-    """`samples` rows of `tokens` ids: State of the Union prose in the model's tokens, or random
-    ids when the model has no tokenizer attached (tiny test models)."""
-    encode = getattr(model, "_kvstack_encode", None)
-    if encode is None:
-        gen = torch.Generator().manual_seed(0)
-        vocab = model.config.get_text_config().vocab_size
-        return [torch.randint(0, vocab, (tokens,), generator=gen) for _ in range(samples)]
-    from kvstack.bench.data import state_of_the_union
-
-    texts = state_of_the_union()
-    picked = texts[-samples:]  # the most recent addresses
-    return [torch.tensor(encode(text)[:tokens]) for text in picked]

@@ -14,7 +14,7 @@ batch a token position takes the widest bits any sequence asks for.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -102,7 +102,7 @@ class Qaq(Quantizer):
         bits_k = self.bits_for(keys, err_k).amax(0)  # (n,) the widest any sequence asks for
         bits_v = self.bits_for(values, err_v).amax(0)
         out = []
-        value_where = Where(where.layer, where.head, "value", where.queries)
+        value_where = replace(where, kind="value")
         for wk in family:
             for wv in family:
                 pos = torch.nonzero((bits_k == wk) & (bits_v == wv)).flatten()

@@ -1,0 +1,1 @@
+"""Cross-layer compression: adjacent layers' states stored once."""
