@@ -11,7 +11,9 @@ from kvstack.methods.registry import all_methods
 from kvstack.methods.select import Keep
 
 # eviction and allocation (quantizers are lossy by design: tests/test_quantize.py)
-METHODS = [m for m, cls in all_methods().items() if m != "full" and not hasattr(cls, "codecs")]
+METHODS = [
+    m for m, cls in all_methods().items() if m != "full" and not hasattr(cls, "codecs") and not hasattr(cls, "join")
+]
 # short windows and chunks, so the tiny prompts (40-100 tokens) exercise them
 SHORT = {
     "snapkv": "snapkv(window_size=4, every=4)",

@@ -183,7 +183,9 @@ def test_conf_kv_a_confident_step_halves_the_cache(llama):
 
 # ---- every method over a long generation ----------------------------------------------------
 
-LONG = [m for m, cls in all_methods().items() if m != "full" and not hasattr(cls, "codecs")]
+LONG = [
+    m for m, cls in all_methods().items() if m != "full" and not hasattr(cls, "codecs") and not hasattr(cls, "join")
+]
 
 
 @pytest.mark.parametrize("method", LONG)

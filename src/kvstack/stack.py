@@ -45,7 +45,13 @@ class Stack:
         if projectors and quantizers:
             from kvstack.methods.lowrank.base import can_follow_projection
 
-            why = can_follow_projection(quantizers[0]) if quantizers[0].family == "quantize" else "it is an evictor"
+            projector, quantizer = projectors[0], quantizers[0]
+            if not projector.codes_coefficients:
+                raise UserError(
+                    f"'{spec}': {projector.name} keeps per-chunk factors, not coefficients on fixed axes, so no "
+                    f"quantizer can code them: drop {quantizer.name} (snapkv+{projector.name})"
+                )
+            why = can_follow_projection(quantizer) if quantizer.family == "quantize" else "it is an evictor"
             if why:
                 raise UserError(
                     f"'{spec}': {quantizers[0].name} cannot code {projectors[0].name}'s coefficients ({why}): "

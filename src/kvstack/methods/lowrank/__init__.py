@@ -1,3 +1,3 @@
 """Low-rank storage: keys and values as coefficients on fewer directions."""
 
-from kvstack.methods.lowrank import dar, pca  # noqa: F401
+from kvstack.methods.lowrank import dar, pca, rotatek, shadowkv  # noqa: F401

@@ -100,6 +100,7 @@ class Projector(Quantizer):
     `residual` newest tokens stay at full dimension (0 by default: every token is projected)."""
 
     family: ClassVar[str] = "lowrank"
+    codes_coefficients: ClassVar[bool] = True  # False when its codes are not on fixed axes (a quantizer cannot follow)
     residual: int = field(default=0, kw_only=True)
 
     def __post_init__(self) -> None:
