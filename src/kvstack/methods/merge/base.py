@@ -15,22 +15,31 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from kvstack.methods.base import Observation
+from kvstack.methods.base import Observation, recent_mask
 
 
 @dataclass(frozen=True)
 class Merge:
     """A merge decision for one layer. target: (b, h, t) long, the dense position of the kept
     entry each token joins, -1 for none; weight: (b, h, t) float in [0, 1], the share of the
-    token that joins (1 = all of it)."""
+    token that joins (1 = all of it).
+
+    Optional, for methods whose values do not follow their keys (SubGen): value_weight (b, h, t)
+    in [0, 1], the share of each joining token's value (None: `weight`); value_scale (b, h, t),
+    a factor on each entry's merged value (None: 1). The log-count always follows `weight`.
+    """
 
     target: torch.Tensor
     weight: torch.Tensor
+    value_weight: torch.Tensor | None = None
+    value_scale: torch.Tensor | None = None
 
     def into(self, allowed: torch.Tensor) -> Merge:
         """Only merges whose target is `allowed` (b, h, t), e.g. held in the model's dtype."""
         ok = (self.target >= 0) & torch.gather(allowed, -1, self.target.clamp(min=0))
-        return Merge(torch.where(ok, self.target, -1), torch.where(ok, self.weight, 0.0))
+        value_weight = None if self.value_weight is None else torch.where(ok, self.value_weight, 0.0)
+        value_scale = None if self.value_scale is None else torch.where(allowed, self.value_scale, 1.0)
+        return Merge(torch.where(ok, self.target, -1), torch.where(ok, self.weight, 0.0), value_weight, value_scale)
 
 
 class Merger:
@@ -52,24 +61,34 @@ def merge_states(
     """Execute a merge on dense tensors: keys, values (b, h, t, d), log_count (b, h, t).
 
     Entry j becomes (c_j x_j + sum_i w_i c_i x_i) / (c_j + sum_i w_i c_i) over the tokens i with
-    target j, c = exp(log_count), and its log-count log(c_j + sum_i w_i c_i). Returns (keys,
-    values, log_count, changed (b, h, t) bool), in float32.
+    target j, c = exp(log_count), and its log-count log(c_j + sum_i w_i c_i). Values use the
+    merge's value weights and scale when it has them. Returns (keys, values, log_count, changed
+    (b, h, t) bool), in float32.
     """
     count = log_count.float().exp()
     joining = merge.target >= 0
-    mass = torch.where(joining, merge.weight.float() * count, torch.zeros_like(count))  # (b, h, t)
     target = merge.target.clamp(min=0)
-    total = count.scatter_add(-1, target, mass)
     idx = target.unsqueeze(-1)
 
-    def mean(x: torch.Tensor) -> torch.Tensor:
+    def mass_of(weight: torch.Tensor) -> torch.Tensor:  # (b, h, t) count each token brings to its target
+        return torch.where(joining, weight.float() * count, torch.zeros_like(count))
+
+    def mean(x: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         summed = (xf * count.unsqueeze(-1)).scatter_add(2, idx.expand_as(xf), xf * mass.unsqueeze(-1))
-        return summed / total.unsqueeze(-1)
+        return summed / count.scatter_add(-1, target, mass).unsqueeze(-1)
 
-    hits = torch.zeros_like(count).scatter_add(-1, target, (mass > 0).float())
-    changed = hits > 0
-    return mean(keys), mean(values), total.log(), changed
+    def hits(mass: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(count).scatter_add(-1, target, (mass > 0).float()) > 0
+
+    mass = mass_of(merge.weight)
+    value_mass = mass if merge.value_weight is None else mass_of(merge.value_weight)
+    new_values = mean(values, value_mass)
+    changed = hits(mass) | hits(value_mass)
+    if merge.value_scale is not None:
+        new_values = new_values * merge.value_scale.float().unsqueeze(-1)
+        changed = changed | (merge.value_scale != 1)
+    return mean(keys, mass), new_values, count.scatter_add(-1, target, mass).log(), changed
 
 
 def nearest_kept(keys: torch.Tensor, kept: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,3 +100,14 @@ def nearest_kept(keys: torch.Tensor, kept: torch.Tensor, valid: torch.Tensor) ->
     sim = sim.masked_fill(~(kept & valid).unsqueeze(-2), float("-inf"))
     best, target = sim.max(-1)
     return target, best
+
+
+def pinned(obs: Observation, decode_window: int) -> torch.Tensor:
+    """(b, h, t) tokens the cache keeps whatever a stage scores: exempt ones (a question appended
+    after a query-agnostic compression) and, while decoding, the newest `decode_window`. A
+    merging plan leaves them out of its clusters, so that the tokens it keeps are the ones kept."""
+    seq = obs._layer.seq
+    out = obs.valid & seq.is_exempt(obs.slots) if seq.exempt else torch.zeros_like(obs.valid)
+    if obs.decoding and decode_window:
+        out = out | recent_mask(obs, decode_window)
+    return out
