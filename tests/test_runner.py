@@ -133,6 +133,9 @@ def test_rivals_take_fraction_budgets_and_known_names(monkeypatch):
     assert sweep.rival_configs()[1] == ("kvpress:snapkv", "snapkv", "0.25")
     both = Sweep("tiny", ("snapkv",), ("0.5",), ("vt",), (400,), rivals=("kvpress", "kvpress:tova", "kvpress:snapkv"))
     assert [c[1] for c in both.rival_configs()] == ["snapkv", "tova"]
+    # kvpress's merge-on-evict wrapper stands against D2O (over H2O's scores, as D2O's default)
+    merging = Sweep("tiny", ("d2o", "ems"), ("0.5",), ("vt",), (400,), rivals=("kvpress", "kvpress:merging_snapkv"))
+    assert [c[1] for c in merging.rival_configs()] == ["merging_observed_attention", "merging_snapkv"]
     quantized = Sweep("tiny", ("snapkv",), ("0.125",), ("vt",), (400,), rivals=("kvpress:snapkv+quanto2",))
     assert quantized.rival_configs() == [("kvpress:snapkv+quanto2", "snapkv+quanto2", "0.125")]
     with pytest.raises(UserError, match="snapkv\\+quanto2"):
@@ -187,8 +190,8 @@ def test_kvpress_runs_on_the_same_samples_with_measured_bytes(tmp_path):
     sweep = Sweep("smollm2-135m", ("knorm",), ("0.5",), ("niah_single",), (1024,), samples=1, rivals=("kvpress:all",))
     store = Store(tmp_path / "results.sqlite")
     # kvpress's own pyramidkv breaks on transformers 5.2 (layers of different lengths meet one mask):
-    # the run goes on without it and says so; the other ten presses answer
-    assert run_sweep(lm, sweep, store) == 2 + 10
+    # the run goes on without it and says so; the other thirteen presses answer
+    assert run_sweep(lm, sweep, store) == 2 + 13
     rows = {r["method"]: r for r in store.rows()}
     assert rows["full"]["score"] == 1.0  # the needle is found with the full cache
     assert "kvpress:pyramidkv" not in rows
@@ -201,6 +204,9 @@ def test_kvpress_runs_on_the_same_samples_with_measured_bytes(tmp_path):
         "expected_attention",
         "keydiff",
         "lagkv",
+        "merging_snapkv",
+        "merging_observed_attention",
+        "merging_keydiff",
     ):
         row = rows[f"kvpress:{press}"]
         assert 0.3 < row["kv_ratio"] < 0.75, (press, row["kv_ratio"])  # real eviction, measured
@@ -208,3 +214,10 @@ def test_kvpress_runs_on_the_same_samples_with_measured_bytes(tmp_path):
         assert row["answer"]
     for press in ("adakv", "kvzip"):  # non-uniform head budgets: kvpress masks evicted pairs, frees nothing
         assert rows[f"kvpress:{press}"]["kv_ratio"] == 1.0 and rows[f"kvpress:{press}"]["answer"]
+
+
+def test_storage_stages_without_eviction_run_once_at_budget_one():
+    sweep = Sweep("tiny", ("xkv", "pca(r=8)", "kivi", "snapkv+xkv"), ("0.5", "0.25"), ("vt",), (400,))
+    runs = [(stack.label, str(budget)) for stack, budget in sweep.configs()]
+    assert runs[1:4] == [("xkv", "1"), ("pca(r=8)", "1"), ("kivi", "1")]
+    assert [b for s, b in runs if s.startswith("snapkv+xkv")] == ["0.5", "0.25"]

@@ -129,12 +129,13 @@ class Sweep:
 
     def configs(self) -> list[tuple[Stack, Budget]]:
         """(stack, budget) pairs, the full-cache reference first; specs are parsed (errors early).
-        A quantizer without eviction runs once, at budget 1: its bytes are what its bits make them."""
+        A storage stage without eviction (a quantizer, a projection, a cross-layer stage) runs
+        once, at budget 1: its bytes are what its bits, rank or sharing make them."""
         out = [(Stack.parse("full"), Budget.parse(1.0))]
         for spec in self.methods:
             stack = Stack.parse(spec)
             if stack.evictor is None:
-                if stack.quantizer is not None:
+                if stack.quantizer is not None or stack.joiner is not None:
                     out.append((stack, Budget.parse(1.0)))
                 continue
             out += [(stack, Budget.parse(b)) for b in self.budgets]

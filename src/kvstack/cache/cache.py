@@ -274,11 +274,12 @@ class KVCache(Cache):
             )
         affordable = full_precision_room(self.budget, n_full, cost)
         group = self.token_group
-        fits = [r for r in (128, 64, 32, 16, 8, 0) if r + group - 1 <= affordable / 2]
+        fits = [r for r in (128, 64, 32, 16, 8, 0) if r + group - 1 <= affordable / 2 and r < quantizer.residual]
+        fix = f"use {quantizer.name}(residual={fits[0]}) or a larger budget" if fits else "use a larger budget"
         raise UserError(
             f"{quantizer.name}'s residual window ({quantizer.residual} tokens, + {group - 1} waiting for a full "
             f"group) is larger than budget {self.budget} at {n_full} tokens ({affordable:.0f} tokens at full "
-            f"precision): use {quantizer.name}(residual={fits[0] if fits else 0}) or a larger budget"
+            f"precision): {fix}"
         )
 
     def cost(self, layer: CompressedLayer) -> Cost:

@@ -101,6 +101,13 @@ class Observation:
         return pad[:, slots].bool()
 
     @cached_property
+    def exempt(self) -> torch.Tensor:
+        """(b, h, t) True for held tokens that are never evicted (a question appended after a
+        query-agnostic compression)."""
+        seq = self._layer.seq
+        return self.valid & seq.is_exempt(self.slots) if seq.exempt else torch.zeros_like(self.valid)
+
+    @cached_property
     def log_count(self) -> torch.Tensor:
         """(b, h, t) log of how many tokens each held entry stands for (0 unless merged)."""
         from kvstack.cache.layer import WEIGHT

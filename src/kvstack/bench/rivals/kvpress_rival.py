@@ -39,6 +39,7 @@ COUNTERPART = {
     "pyramid": "pyramidkv",
     "adakv": "adakv",
     "kvzip": "kvzip",
+    "d2o": "merging_observed_attention",  # kvpress's merge-on-evict wrapper over H2O's scores
 }
 
 

@@ -29,8 +29,16 @@ PRESSES = {
     "pyramidkv": "PyramidKVPress",
     "adakv": "AdaKVPress",  # over SnapKVPress, as kvstack's adakv defaults to snapkv
     "kvzip": "KVzipPress",
+    # kvpress's merge-on-evict wrapper (values of evicted tokens folded into their most similar
+    # survivor, keys kept) over a scorer press: `merging_<scorer>`
+    "merging_snapkv": "MergingPress",
+    "merging_observed_attention": "MergingPress",
+    "merging_keydiff": "MergingPress",
 }
-EAGER = {"observed_attention"}  # needs attention weights, so the model runs eager attention
+EAGER = {
+    "observed_attention",
+    "merging_observed_attention",
+}  # needs attention weights, so the model runs eager attention
 _pipes: dict[tuple[str, str], Any] = {}
 
 
@@ -76,6 +84,9 @@ def run(req: dict[str, Any]) -> dict[str, Any]:
     model, tok = pipe.model, pipe.tokenizer
     if name == "adakv":
         press = kvpress.AdaKVPress(press=kvpress.SnapKVPress(compression_ratio=req["ratio"]))
+    elif name.startswith("merging_"):
+        scorer = getattr(kvpress, PRESSES[name.removeprefix("merging_")])(compression_ratio=req["ratio"])
+        press = kvpress.MergingPress(press=scorer)
     else:
         press = getattr(kvpress, PRESSES[name])(compression_ratio=req["ratio"])
     spent = {"compress": 0.0}

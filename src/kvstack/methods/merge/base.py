@@ -106,8 +106,7 @@ def pinned(obs: Observation, decode_window: int) -> torch.Tensor:
     """(b, h, t) tokens the cache keeps whatever a stage scores: exempt ones (a question appended
     after a query-agnostic compression) and, while decoding, the newest `decode_window`. A
     merging plan leaves them out of its clusters, so that the tokens it keeps are the ones kept."""
-    seq = obs._layer.seq
-    out = obs.valid & seq.is_exempt(obs.slots) if seq.exempt else torch.zeros_like(obs.valid)
+    out = obs.exempt
     if obs.decoding and decode_window:
         out = out | recent_mask(obs, decode_window)
     return out
