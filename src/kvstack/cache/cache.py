@@ -275,6 +275,7 @@ class KVCache(Cache):
         affordable = full_precision_room(self.budget, n_full, cost)
         group = self.token_group
         fits = [r for r in (128, 64, 32, 16, 8, 0) if r + group - 1 <= affordable / 2 and r < quantizer.residual]
+        fits = fits or ([0] if quantizer.residual > 0 else [])  # the smallest window, the last thing to try
         fix = f"use {quantizer.name}(residual={fits[0]}) or a larger budget" if fits else "use a larger budget"
         raise UserError(
             f"{quantizer.name}'s residual window ({quantizer.residual} tokens, + {group - 1} waiting for a full "
