@@ -54,7 +54,8 @@ class D2O(Allocator, Merger):
     Token level (`recall`, on by default): every token the scorer leaves out is compared with
     the kept ones by key cosine similarity; if its nearest kept key is at least as similar as
     the threshold, it is recalled and merged into it with weight exp(s) / e (`recall_weights`),
-    keys and values alike. Merged entries carry no extra attention weight (`log_count=False`,
+    keys and values alike, after RoPE as the cache holds them (a merged entry keeps its kept token's
+    slot and position). Merged entries carry no extra attention weight (`log_count=False`,
     as in the paper); `d2o(recall=False)` is the allocator alone.
 
     Deviations: the attention sums are per KV head (summed over its query group), not per query
