@@ -140,3 +140,28 @@ def test_eight_bit_codes_stay_within_a_tight_logit_tolerance_of_the_full_cache(s
             continue
         assert float((logits - full).abs().max()) < most and kl < kl_most
         assert int(logits.argmax()) == int(full.argmax())
+
+
+def test_merging_low_rank_and_cross_layer_stacks_hold_their_bytes_on_the_real_model(smollm2):
+    """Each family on SmolLM2 (bf16, ~1k tokens): selections with merging hold the byte budget,
+    storage stages alone hold less than the full cache, and a full-rank projection stays within
+    bf16 rounding of it (its coefficients are rounded to bf16 once)."""
+    model = smollm2.model
+    ids = torch.tensor([smollm2.tokenizer.encode(needle_sample(words=700).context)])
+
+    def last_logits(spec, budget):
+        cache = KVCache(model, spec, budget)
+        with torch.no_grad():
+            model(ids[:, :-1], past_key_values=cache)
+            logits = model(ids[:, -1:], past_key_values=cache).logits[0, -1].float()
+        return logits, cache.nbytes() / cache.full_nbytes()
+
+    full, _ = last_logits("full", 1.0)
+    for spec in ("ems", "d2o(log_count=True)+adaquant(residual=32)", "snapkv+pca(r=32)+kivi(bits=4, residual=32)"):
+        logits, ratio = last_logits(spec, 0.25)
+        assert ratio <= 0.25 and torch.isfinite(logits).all(), spec
+    for spec, most in (("shadowkv", 0.9), ("xkv", 0.3), ("minicache", 0.85), ("minicache+kivi(bits=2)", 0.35)):
+        logits, ratio = last_logits(spec, 1.0)
+        assert ratio < most and torch.isfinite(logits).all(), (spec, ratio)
+    logits, ratio = last_logits("pca(r=64)", 1.0)
+    assert int(logits.argmax()) == int(full.argmax()) and float((logits - full).abs().max()) < 1.0
