@@ -27,6 +27,7 @@ class Projection(Codec):
     def __init__(self, axes: list[list[torch.Tensor]], means: list[list[torch.Tensor]]) -> None:
         self.axes, self.means = axes, means
         self.rank = axes[0][0].shape[0]
+        self.dtype = axes[0][0].dtype  # the coefficients' dtype (the model's)
         self.itemsize = axes[0][0].element_size()
         self.bits = 8 * self.itemsize
 
@@ -84,7 +85,7 @@ class Then(Codec):
         tables = self.outer.tables(enc.where)
         shared = {k: v for k, v in enc.shared.items() if k not in tables}
         rank = self.outer.out_dim(enc.dim)
-        view = Encoded(self.inner, enc.n, rank, self.outer.axes[0][0].dtype, enc.where, enc.tokens, enc.groups, shared)
+        view = Encoded(self.inner, enc.n, rank, self.outer.dtype, enc.where, enc.tokens, enc.groups, shared)
         return self.outer.restore(self.inner.decode(view), enc.where, enc.dtype)
 
     def token_bytes(self, dim: int) -> float:

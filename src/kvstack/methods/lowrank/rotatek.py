@@ -35,7 +35,7 @@ class AsIs(Projection):
     projection without tables, so a quantizer stacked after the projector (`Then`) codes them."""
 
     def __init__(self, dtype: torch.dtype) -> None:
-        self.axes = [[torch.empty(0, dtype=dtype)]]  # `Then` reads the coefficients' dtype here
+        self.dtype = dtype
         self.itemsize = torch.empty(0, dtype=dtype).element_size()
         self.bits = 8 * self.itemsize
 
