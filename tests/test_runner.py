@@ -55,23 +55,29 @@ def test_a_sweep_writes_one_row_per_cell_sample_and_question_and_resumes(lm, tmp
 
 
 def test_a_config_the_cache_refuses_is_reported_and_the_sweep_goes_on(lm, tmp_path, capsys):
-    """kivi's 32-token residual window fits 0.25 of ~400 tokens, not 0.0625: that pair stores no
-    row and is named at the end; every other pair answers (agnostic, aware and fidelity)."""
+    """kivi's 32-token residual window fits 0.25 of ~400 tokens, not 0.0625, and snapkv's 64-token
+    window neither: those pairs store no row and are named at the end; every other pair answers
+    (agnostic, aware and fidelity)."""
     from rich.console import Console
 
+    from kvstack.stack import Stack
+
     spec = "knorm+kivi(group=8, residual=32)"
-    sweep = Sweep("tiny", (spec,), ("0.25", "0.0625"), ("niah_single", "fidelity"), (400,), ("agnostic", "aware"))
+    sweep = Sweep(
+        "tiny", (spec, "snapkv"), ("0.25", "0.0625"), ("niah_single", "fidelity"), (400,), ("agnostic", "aware")
+    )
     store = Store(tmp_path / "results.sqlite")
     console = Console(stderr=True, width=300)
     written = run_sweep(lm, sweep, store, console)
     rows = list(store.rows())
     assert written == len(rows) > 0
-    assert {r["budget"] for r in rows if r["method"] != "full"} == {"0.25"}
+    assert {r["budget"] for r in rows if r["method"] != "full" and r["task"] == "niah_single"} == {"0.25"}
+    assert {r["method"] for r in rows if r["budget"] == "0.25"} == {Stack.parse(spec).label, "snapkv"}
     assert {r["mode"] for r in rows if r["method"] != "full" and r["task"] == "niah_single"} == {"agnostic", "aware"}
     err = capsys.readouterr().err
-    from kvstack.stack import Stack
 
     assert f"{Stack.parse(spec).label} at 0.0625 refused, no rows stored" in err and "use kivi(residual=" in err
+    assert "snapkv at 0.0625 refused" in err and "snapkv needs at least 64" in err
 
 
 def test_jobs_split_the_sweep_between_processes_and_give_the_same_rows(tiny_folder, tmp_path, monkeypatch):

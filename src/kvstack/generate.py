@@ -130,6 +130,12 @@ def warm_up(model: Any) -> None:
 
 def check_prompts(model: Any, prompts: list[Prompt], max_new_tokens: int, stack: Stack, budget: Budget) -> None:
     """One-line errors for prompts the model or the budget cannot take."""
+    check_lengths(model, prompts, max_new_tokens)
+    check_config(prompts, stack, budget)
+
+
+def check_lengths(model: Any, prompts: list[Prompt], max_new_tokens: int) -> None:
+    """One-line errors for prompts the model cannot take (empty, or longer than its positions)."""
     limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
     for p in prompts:
         if not p.context and not p.question:
@@ -141,6 +147,10 @@ def check_prompts(model: Any, prompts: list[Prompt], max_new_tokens: int, stack:
                 f"{max_new_tokens} new tokens exceeds the model's maximum of {limit} tokens; "
                 "shorten the context"
             )
+
+
+def check_config(prompts: list[Prompt], stack: Stack, budget: Budget) -> None:
+    """One-line error when the budget keeps fewer tokens of the shortest context than the stack needs."""
     stack.check_budget(budget)
     if budget.fraction is not None and stack.evictor is not None and not budget.is_full:
         shortest = min(len(p.context) for p in prompts)
@@ -195,14 +205,14 @@ def generate_forks(
     residual window above the budget, say) yields ([], {"refused": the one-line reason}).
     """
     stacks = _parse_configs(configs)
-    for stack, budget in stacks:
-        check_prompts(model, prompts, max_new_tokens, stack, budget)
+    check_lengths(model, prompts, max_new_tokens)
     source = _observing_runner(model, stacks)
     start = now(model.device)
     source.forward(*_left_pad([p.context for p in prompts], pad_id))
     prefill_s = now(model.device) - start - source.cache.compress_clock.seconds
     for stack, budget in stacks:
         try:
+            check_config(prompts, stack, budget)
             runner = source.fork(stack, budget)
             if "reconstruction" in stack.needs:  # the shared re-reading pass is this method's work
                 runner.cache.compress_clock.add(source.cache.reread_s)
