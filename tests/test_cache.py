@@ -23,6 +23,7 @@ SHORT = {
     "graphkv": "graphkv(snapkv(window_size=4, every=4), sources=8)",
     "kvcrush": "kvcrush(snapkv(window_size=4, every=4))",
     "scope": "scope(snapkv(window_size=4))",
+    "auto": "auto(tokens=256, samples=1, least=2)",  # 8 tokens per head overflow tiny Gemma's 15-token windows
 }
 SPECS = {m: m for m in ["full", *METHODS]} | SHORT
 # allocators wrap the short snapkv unless given their own short spec

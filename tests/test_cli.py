@@ -240,3 +240,63 @@ def test_bench_bad_input_is_one_line(tmp_path, args, message):
 def test_report_of_an_empty_folder(tmp_path):
     code, _, err = run("report", str(tmp_path))
     assert code == 2 and "run `kvstack bench" in err
+
+
+def test_plan_prints_a_table_saves_it_and_generate_reuses_it(tiny_folder, tmp_path):
+    spec = "auto(tokens=256, samples=1)"
+    saved = tmp_path / "plan.json"
+    code, out, err = run("plan", "--model", str(tiny_folder), "--budget", "0.25", "--length", "400", "--method", spec)
+    assert code == 0, err
+    assert "scorer" in out and "bits" in out and "0.25" in out and "400 tokens" in out  # (the title may wrap)
+    code, out, err = run(
+        "plan",
+        "--model",
+        str(tiny_folder),
+        "--budget",
+        "0.25",
+        "--length",
+        "400",
+        "--method",
+        spec,
+        "--save",
+        str(saved),
+    )
+    assert code == 0, err
+    plan = json.loads(saved.read_text())
+    assert len(plan["scorers"]) == 4 and plan["length"] == 400
+    context = tmp_path / "ctx.txt"
+    context.write_text("The quick brown fox jumps over the lazy dog. " * 10)
+    code, out, err = run(
+        "generate",
+        "--model",
+        str(tiny_folder),
+        "--method",
+        f"plan:{saved}",
+        "--budget",
+        "0.25",
+        "-c",
+        str(context),
+        "-q",
+        "Who jumps?",
+        "--max-new-tokens",
+        "4",
+        "--json",
+    )
+    assert code == 0, err
+    assert json.loads(out)["kv_ratio"] <= 0.25
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--budget", "1KB"], "use a budget of at least"),
+        (["--budget", "64t"], "auto plans bytes"),
+        (["--budget", "64XB"], "not understood"),
+        (["--budget", "0.25", "--method", "snapkv"], "must be an auto spec"),
+        (["--budget", "0.25", "--length", "lots"], "not understood"),
+    ],
+)
+def test_plan_bad_input_is_one_line(tiny_folder, args, message):
+    code, out, err = run("plan", "--model", str(tiny_folder), "--length", "400", *args)
+    assert code == 2 and message in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err + out

@@ -165,3 +165,30 @@ def test_merging_low_rank_and_cross_layer_stacks_hold_their_bytes_on_the_real_mo
         assert ratio < most and torch.isfinite(logits).all(), (spec, ratio)
     logits, ratio = last_logits("pca(r=64)", 1.0)
     assert int(logits.argmax()) == int(full.argmax()) and float((logits - full).abs().max()) < 1.0
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m", "gemma3-270m"])
+def test_auto_plans_bytes_the_real_cache_then_holds(name):
+    """The plan `kvstack plan` prints for 2k tokens is what the cache holds after compressing 2k
+    tokens of real prose (to the byte), at or below the budget; Gemma's sliding layers are planned
+    over their 512-token window."""
+    from kvstack.cache.budget import Budget
+    from kvstack.calibrate.prose import calibration_ids
+    from kvstack.generate import _Runner
+    from kvstack.stack import Stack
+
+    lm = kvstack.load(name)
+    spec = "auto(samples=1, tokens=1024)"  # a shorter calibration than the default, for CI
+    ids = calibration_ids(lm.model, 1, 2048)[0][None]
+    for budget in ("0.0625", "1MB"):
+        planned = Stack.parse(spec).stages[0].plan_for(lm.model, Budget.parse(budget), 2048)
+        cache = KVCache(lm.model, spec, budget)
+        _Runner(lm.model, cache).forward(ids, torch.ones_like(ids))
+        assert cache.plan.tokens == planned.tokens and cache.plan.storages == planned.storages
+        assert cache.nbytes() == planned.total_bytes
+        assert cache.full_nbytes() == planned.full_bytes
+        limit = 0.0625 * cache.full_nbytes() if budget == "0.0625" else 2**20
+        assert 0.8 * limit < cache.nbytes() <= limit
+    sliding = [i for i, t in enumerate(getattr(lm.model.config, "layer_types", None) or []) if t == "sliding_attention"]
+    if name.startswith("gemma"):
+        assert sliding and all(cache.plan.held[i] == 511 for i in sliding)

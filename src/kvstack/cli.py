@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
@@ -144,6 +144,78 @@ def generate(
         f"{payload['decode_tokens_per_s']:.1f} tok/s",
         highlight=False,
     )
+
+
+@app.command()
+def plan(
+    budget: Annotated[str, typer.Option(help="fraction of full-cache bytes (0.0625) or a size (64MB, 512KB, 1.5GB)")],
+    model: Annotated[str, typer.Option("--model", "-m", help="registered name, local folder or .gguf")] = DEFAULT,
+    length: Annotated[str, typer.Option(help="context length the plan is for (2k, 4k, 3000)")] = "2k",
+    method: Annotated[str, typer.Option(help="the auto spec, e.g. auto(scorers=('kvzip','snapkv'))")] = "auto",
+    save: Annotated[Path | None, typer.Option(help="write the plan as JSON (reuse: --method plan:FILE)")] = None,
+) -> None:
+    """Plan a byte budget: per layer the scorer, per head the tokens kept and their bits (`auto`)."""
+    try:
+        from kvstack.cache.budget import Budget
+        from kvstack.stack import Stack
+
+        stack, parsed_budget, tokens = Stack.parse(method), Budget.parse(budget), _length(length)
+        planner = stack.stages[0]
+        if planner.family != "auto" or planner.plan:
+            raise UserError(f"--method must be an auto spec such as auto or auto(least=16), got '{method}'")
+        from kvstack.models import load
+
+        with err.status(f"loading {model}"):
+            lm = load(model)
+        result = planner.plan_for(lm.model, parsed_budget, tokens)
+    except UserError as e:
+        _fail(str(e))
+        return
+    from kvstack.cache.cache import text_config
+
+    types = getattr(text_config(lm.model.config), "layer_types", None) or []
+    out.print(_plan_table(result, model, types))
+    if save is not None:
+        result.save(save)
+        out.print(f"saved {save}: reuse it with --method plan:{save} --budget {budget}", highlight=False)
+
+
+def _plan_table(result: Any, model: str, types: list[str]) -> Table:
+    """The plan as a table: per layer its scorer, each head's tokens and storage, bytes."""
+    from kvstack.cache.budget import size_text
+
+    title = (
+        f"auto on {model}, {result.length} tokens, budget {result.budget}: {size_text(result.total_bytes)} of "
+        f"{size_text(result.full_bytes)} ({result.total_bytes / result.full_bytes:.4f})"
+    )
+    table = Table(title=title)
+    sliding = "sliding_attention" in types
+    columns = [
+        "layer",
+        *(["attn"] if sliding else []),
+        "scorer",
+        "tokens per head",
+        "bits (+residual)",
+        "bytes",
+        "ratio",
+    ]
+    for col in columns:
+        table.add_column(col, justify="right" if col in ("layer", "bytes", "ratio") else "left")
+    for i, scorer in enumerate(result.scorers):
+        held = sum(result.bytes[i])
+        kind = (["sliding" if types[i] == "sliding_attention" else "full"]) if sliding else []
+        storages = result.storages[i]
+        bits = f"{storages[0]} (all)" if len(set(storages)) == 1 and len(storages) > 1 else " ".join(storages)
+        table.add_row(
+            str(i),
+            *kind,
+            scorer,
+            " ".join(map(str, result.tokens[i])),
+            bits,
+            size_text(held),
+            f"{held / result.layer_full_bytes(i):.3f}",
+        )
+    return table
 
 
 def _split(text: str) -> tuple[str, ...]:

@@ -31,7 +31,11 @@ class Stack:
         text = spec.strip()
         if not text:
             raise UserError("empty method spec: give a method name such as snapkv (see `kvstack methods`)")
+        if text.startswith("plan:"):  # a plan saved by `kvstack plan --save`
+            return cls((_parse_stage(f"auto(plan={text[5:]!r})"),))
         stages = tuple(_parse_stage(part) for part in _split_top(text, "+"))
+        if len(stages) > 1 and any(s.family == "auto" for s in stages):
+            raise UserError(f"'{spec}': auto chooses the whole stack (scorers, tokens, bits): use it alone")
         evictors = [s for s in stages if s.family in SELECTION]
         if len(evictors) > 1:
             names = " + ".join(s.name for s in evictors)

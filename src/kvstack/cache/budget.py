@@ -1,12 +1,15 @@
 """Budgets: how many bytes the cache may hold, resolved to tokens per head by pure functions.
 
 `0.25` is a fraction of the full cache's bytes (it follows the sequence as it grows, so the
-ratio holds at every step); `512t` is a fixed number of tokens per KV head.
+ratio holds at every step); `512t` is a fixed number of tokens per KV head; `64MB` (also `512KB`,
+`1.5GB`, powers of 1024) is an absolute number of bytes for the whole cache, turned into a
+fraction of the context at hand by the cache at every step (`Budget.resolve`).
 """
 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 import torch
@@ -16,14 +19,17 @@ from kvstack.errors import UserError
 
 @dataclass(frozen=True)
 class Budget:
-    """A cache budget: `fraction` of the full cache's bytes, or `tokens` per KV head."""
+    """A cache budget: `fraction` of the full cache's bytes, `tokens` per KV head, or `nbytes` in all."""
 
     fraction: float | None = None
     tokens: int | None = None
+    nbytes: int | None = None
 
     def __post_init__(self) -> None:
-        if (self.fraction is None) == (self.tokens is None):
-            raise UserError("a budget is either a fraction like 0.25 or a token count like 512t")
+        if sum(x is not None for x in (self.fraction, self.tokens, self.nbytes)) != 1:
+            raise UserError("a budget is either a fraction like 0.25, a token count like 512t or bytes like 64MB")
+        if self.nbytes is not None and self.nbytes < 1:
+            raise UserError(f"budget {self.nbytes} bytes is out of range: give a positive size like 64MB")
         if self.fraction is not None and not (0.0 < self.fraction <= 1.0):
             raise UserError(f"budget {self.fraction} is out of range: a fraction must be in (0, 1]")
         if self.tokens is not None and self.tokens < 1:
@@ -35,6 +41,9 @@ class Budget:
         if isinstance(text, Budget):
             return text
         raw = str(text).strip().lower()
+        size = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*([kmg])i?b", raw)
+        if size:
+            return cls(nbytes=int(float(size.group(1)) * 1024 ** "kmg".index(size.group(2)) * 1024))
         if raw.endswith("t"):
             try:
                 return cls(tokens=int(raw[:-1]))
@@ -44,8 +53,8 @@ class Budget:
             value = float(raw)
         except ValueError:
             raise UserError(
-                f"budget '{text}' is not understood: write a fraction in (0, 1] like 0.25 "
-                "or a token count per head like 512t"
+                f"budget '{text}' is not understood: write a fraction in (0, 1] like 0.25, "
+                "a token count per head like 512t or a size like 64MB"
             ) from None
         if math.isnan(value):
             raise UserError("budget NaN is out of range: a fraction must be in (0, 1]")
@@ -56,8 +65,24 @@ class Budget:
         """True when nothing is ever evicted (fraction 1.0)."""
         return self.fraction is not None and self.fraction >= 1.0
 
+    def resolve(self, full_bytes: float) -> Budget:
+        """This budget as a fraction of a full cache of `full_bytes` (a byte budget above it is 1.0)."""
+        if self.nbytes is None:
+            return self
+        return Budget(fraction=min(1.0, self.nbytes / full_bytes)) if full_bytes > 0 else Budget(fraction=1.0)
+
     def __str__(self) -> str:
+        if self.nbytes is not None:
+            return size_text(self.nbytes)
         return f"{self.tokens}t" if self.tokens is not None else f"{self.fraction:g}"
+
+
+def size_text(nbytes: float) -> str:
+    """`64MB`, `512KB`, `1.5GB`: a byte count the way `Budget.parse` reads it back (powers of 1024)."""
+    for unit, scale in (("GB", 1024**3), ("MB", 1024**2), ("KB", 1024)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.4g}{unit}"
+    return f"{nbytes / 1024:.4g}KB"
 
 
 @dataclass(frozen=True)

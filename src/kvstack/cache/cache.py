@@ -83,6 +83,10 @@ class KVCache(Cache):
             table = allocator.prepare(model_or_config)
             if table is not None:
                 self.calibration[allocator.kind] = table
+        self.planner = next((s for s in self.stack.selection if s.family == "auto"), None)  # `auto`
+        self.curves = self.planner.prepare(model_or_config) if self.planner is not None else None
+        self.plan: Any = None  # what `auto` decided (kvstack.planning.plan.Plan), at the first compression
+        self._shares: tuple[int, torch.Tensor] | None = None  # (seen, (L, h) byte shares) memo
         self.codecs: tuple[Codec, Codec] | None = None  # how tokens beyond the residual window are stored
         self.demote_codecs: tuple[Codec, Codec] | None = None  # how tokens a selection leaves out are (MiKV)
         self._cost: Cost | None = None  # bytes per token by how it is stored (`cost`), once tokens exist
@@ -249,22 +253,49 @@ class KVCache(Cache):
         after `seen` slots. `like` lends batch, device and token bytes to a layer the prompt has
         not reached yet."""
         ref = like or layer
-        b, seen = ref.batch, layer.seen if seen is None else seen
-        n_full = self.seq.real_counts(seen, b, device=ref.keys[0].device)
+        seen = layer.seen if seen is None else seen
+        room, n_exempt = self._room(layer, seen, ref)
+        cost = self.cost(ref)
+        budget = self.budget_at(seen, ref)
+        if self.codecs is not None:
+            self._check_affordable(int(room.max()), cost, budget)
+        return tokens_to_keep(budget, room, cost), room, n_exempt
+
+    def _room(self, layer: CompressedLayer, seen: int, ref: CompressedLayer) -> tuple[torch.Tensor, torch.Tensor]:
+        """(room, exempt), both (b,): evictable tokens a full cache holds in `layer` after `seen`
+        slots, and the exempt ones on top (`ref` lends batch and device)."""
+        n_full = self.seq.real_counts(seen, ref.batch, device=ref.keys[0].device)
         n_exempt = self.n_exempt(ref, seen)
         if layer.sliding_window:  # a full sliding layer holds its last window - 1 real tokens
             n_full = torch.clamp(n_full, max=layer.sliding_window - 1)
             n_exempt = torch.minimum(n_exempt, n_full)
-        room = n_full - n_exempt
-        cost = self.cost(ref)
-        if self.codecs is not None:
-            self._check_affordable(int(room.max()), cost)
-        return tokens_to_keep(self.budget, room, cost), room, n_exempt
+        return n_full - n_exempt, n_exempt
 
-    def _check_affordable(self, n_full: int, cost: Cost) -> None:
+    def budget_at(self, seen: int, ref: CompressedLayer) -> Budget:
+        """The budget as the cache applies it after `seen` slots: a byte budget (`64MB`) becomes the
+        fraction of the full cache's evictable bytes it pays for now; one-line error when it cannot
+        pay for the fewest tokens the stack keeps per head."""
+        if self.budget.nbytes is None:
+            return self.budget
+        rooms = torch.stack([self._room(layer, seen, ref)[0] for layer in self.layers])  # (L, b)
+        full = ref.token_bytes(explicit_slots=False)
+        per_head = rooms.double() * full * ref.n_kv_heads
+        least = torch.clamp(rooms, max=self.stack.min_tokens).double() * ref.token_bytes() * ref.n_kv_heads
+        if self.budget.nbytes < float(least.sum()):
+            from kvstack.cache.budget import size_text
+
+            smallest = size_text(float(least.sum()))
+            raise UserError(
+                f"budget {self.budget} is below the smallest cache {self.stack.label} can hold for "
+                f"{int(rooms.max())} tokens ({self.stack.min_tokens} tokens per head, {smallest}): "
+                f"use a budget of at least {smallest}"
+            )
+        return self.budget.resolve(float(per_head.sum()))
+
+    def _check_affordable(self, n_full: int, cost: Cost, budget: Budget) -> None:
         """One-line error when the budget cannot pay a quantizer's fixed costs at this length."""
         quantizer = self.stack.quantizer
-        what = unaffordable(self.budget, n_full, cost)
+        what = unaffordable(budget, n_full, cost)
         if what is None or quantizer is None:
             return
         if what == "fixed":
@@ -272,7 +303,7 @@ class KVCache(Cache):
                 f"{quantizer.name}'s tables take {cost.fixed:.0f} bytes per head, more than budget {self.budget} "
                 f"pays for at {n_full} tokens: use smaller tables (e.g. cq(channels=2)) or a larger budget"
             )
-        affordable = full_precision_room(self.budget, n_full, cost)
+        affordable = full_precision_room(budget, n_full, cost)
         group = self.token_group
         fits = [r for r in (128, 64, 32, 16, 8, 0) if r + group - 1 <= affordable / 2 and r < quantizer.residual]
         fits = fits or ([0] if quantizer.residual > 0 else [])  # the smallest window, the last thing to try
@@ -325,12 +356,58 @@ class KVCache(Cache):
         b, h = layer.batch, layer.n_kv_heads
         base, room, n_exempt = self.uniform(layer)
         keep = base.unsqueeze(1).expand(b, h)
+        if self.planner is not None:
+            keep = self.planned_keep(layer, room)
         if self.stack.allocators:
             weights = self.allocation_weights()
             if weights is not None:
                 keep = self.allocation(layer.seen, weights)[layer.layer_idx]
         keep = torch.maximum(keep, torch.clamp(room, max=self.stack.min_tokens).unsqueeze(1))
         return keep + n_exempt.unsqueeze(1)
+
+    def planned_keep(self, layer: CompressedLayer, room: torch.Tensor) -> torch.Tensor:
+        """(b, h) tokens each head of `layer` keeps under `auto`'s plan: its byte share of its full
+        bytes (rescaled per sequence as it grows, so each holds the budget), at its storage."""
+        from kvstack.planning.options import cost
+        from kvstack.planning.plan import share_budget
+
+        shares = self.plan_shares(layer)[:, layer.layer_idx]  # (b, h)
+        full = layer.token_bytes(explicit_slots=False)
+        slot, d = layer.token_bytes() - full, layer.keys[0].shape[-1]
+        keep = torch.zeros(layer.batch, layer.n_kv_heads, dtype=torch.long, device=room.device)
+        for h in range(layer.n_kv_heads):
+            head_cost = cost(self.plan.storage(layer.layer_idx, h), d, full, slot)
+            for b in range(layer.batch):
+                keep[b, h] = tokens_to_keep(share_budget(float(shares[b, h])), room[b : b + 1], head_cost)[0]
+        return keep
+
+    def plan_shares(self, layer: CompressedLayer) -> torch.Tensor:
+        """(b, L, h) each sequence's byte share per head now; `auto` decides its plan at the first
+        call, for the longest sequence (memoised per step)."""
+        seen = layer.seen
+        if self._shares is not None and self._shares[0] == seen:
+            return self._shares[1]
+        like = next(x for x in self.layers if x.is_initialized)
+        if self.budget.tokens is not None:
+            raise UserError(f"auto plans bytes: give a fraction (0.25) or a size (64MB), not {self.budget}")
+        rooms = torch.stack([self._room(x, seen, like)[0] for x in self.layers]).cpu()  # (L, b)
+        full, heads = like.token_bytes(explicit_slots=False), like.n_kv_heads
+        fraction = self.budget_at(seen, like).fraction
+        assert fraction is not None
+        if self.plan is None:
+            layout = {
+                "heads": heads,
+                "head_dim": like.keys[0].shape[-1],
+                "full": full,
+                "slot": like.token_bytes() - full,
+                "windows": [x.sliding_window for x in self.layers],
+                "model": str(getattr(getattr(self._source, "config", None), "name_or_path", "")),
+                "budget": str(self.budget),
+            }
+            self.plan = self.planner.decide(self.curves, rooms.amax(1), fraction, layout)
+        shares = [self.plan.shares_now(n, fraction * float(n.sum()) * heads * full) for n in rooms.T]
+        self._shares = (seen, torch.stack(shares))
+        return self._shares[1]
 
     def allocation_weights(self) -> torch.Tensor | None:
         """(L, b, h) the allocators' weights: decided after the prompt (whole-prompt allocators)
@@ -443,6 +520,9 @@ class KVCache(Cache):
         """Encode each head's oldest tokens held in the model's dtype beyond the quantizer's residual
         window, in whole groups (the quantizer's token group)."""
         quantizer, group = self.stack.quantizer, self.token_group
+        if self.plan is not None and layer.is_initialized:
+            self._encode_planned(layer)
+            return
         if self.codecs is None or not layer.is_initialized:
             return
         started = self.compress_clock.start(layer.keys[0].device)
@@ -455,9 +535,26 @@ class KVCache(Cache):
                 layer.encode_oldest(h, count, quantizer, self.codecs, queries)
         self.compress_clock.stop(started)
 
+    def _encode_planned(self, layer: CompressedLayer) -> None:
+        """`encode` under `auto`'s plan: each head by its own storage and residual window."""
+        from kvstack.methods.quantize.base import Quantizer
+        from kvstack.planning.options import GROUP, codecs
+
+        started = self.compress_clock.start(layer.keys[0].device)
+        for h in range(layer.n_kv_heads):
+            storage = self.plan.storage(layer.layer_idx, h)
+            pair = codecs(storage, layer.keys[h].shape[-1])
+            count = (layer.keys[h].shape[1] - storage.residual) // GROUP * GROUP
+            if pair is not None and count > 0:
+                layer.encode_oldest(h, count, Quantizer(), pair, None)
+        self.compress_clock.stop(started)
+
     def scores(self, obs: Observation) -> torch.Tensor:
-        """(b, h, t) the evictor's scores, +inf on exempt tokens (never evicted)."""
+        """(b, h, t) the evictor's scores, +inf on exempt tokens (never evicted); under `auto`, the
+        scorer its plan gives the layer."""
         method = self.stack.evictor
+        if self.plan is not None:
+            method = self.planner.methods[self.plan.scorers[obs.layer_idx]]
         assert method is not None
         scores = method.score(obs)
         if self.seq.exempt:

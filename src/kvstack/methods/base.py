@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from kvstack.cache.layer import CompressedLayer
 
 
-SELECTION = ("evict", "reference", "allocate", "merge")  # families of stages that choose the tokens kept
+SELECTION = ("evict", "reference", "allocate", "merge", "auto")  # families of stages that choose the tokens kept
 
 
 class Observation:

@@ -30,6 +30,7 @@ def all_methods() -> dict[str, type[Stage]]:
 
 def _load_all() -> None:
     import kvstack.methods.allocate  # noqa: F401  (registers the budget allocators)
+    import kvstack.methods.auto  # noqa: F401  (registers `auto`, the rate-distortion planner)
     import kvstack.methods.crosslayer  # noqa: F401  (registers the cross-layer stages)
     import kvstack.methods.evict  # noqa: F401  (registers the eviction family)
     import kvstack.methods.lowrank  # noqa: F401  (registers the low-rank stages)

@@ -1,0 +1,98 @@
+"""How a planned head stores its kept tokens: plain, or keys and values at given bit widths
+after a full-precision residual window. Pure functions give what each option costs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+
+from kvstack.cache.budget import Cost
+from kvstack.cache.encoded import Codec, Uniform
+from kvstack.cache.packing import check_bits, packed_size
+from kvstack.errors import UserError
+
+PLAIN = 16  # bits of a token held in the model's dtype (bf16 / fp16)
+GROUP = 32  # tokens sharing a key scale per channel, as KIVI groups them
+
+
+@dataclass(frozen=True)
+class Storage:
+    """Keys at `key_bits` per channel, values at `value_bits` per token (16: the model's dtype),
+    the newest `residual` kept tokens in the model's dtype."""
+
+    key_bits: int = PLAIN
+    value_bits: int = PLAIN
+    residual: int = 0
+
+    @classmethod
+    def parse(cls, bits: str, residual: int = 0) -> Storage:
+        """`16` (plain), `4` (keys and values at 4 bits) or `4/2` (keys 4, values 2)."""
+        parts = str(bits).split("/")
+        try:
+            k, v = (int(parts[0]), int(parts[-1])) if len(parts) <= 2 else (0, 0)
+        except ValueError:
+            k = v = 0
+        if k == v == PLAIN:
+            return cls()
+        if not k or PLAIN in (k, v):
+            raise UserError(f"auto: bits '{bits}' is not understood: write 16 (plain), 4 or 4/2 (keys/values)")
+        check_bits(k, "auto"), check_bits(v, "auto")
+        return cls(k, v, residual)
+
+    @property
+    def plain(self) -> bool:
+        return self.key_bits == PLAIN
+
+    def __str__(self) -> str:
+        if self.plain:
+            return "16"
+        bits = f"{self.key_bits}" if self.key_bits == self.value_bits else f"{self.key_bits}/{self.value_bits}"
+        return f"{bits}+r{self.residual}"
+
+    @classmethod
+    def from_text(cls, text: str) -> Storage:
+        """The inverse of `str`: `16`, `4/2+r32`."""
+        bits, _, residual = text.partition("+r")
+        return cls.parse(bits, int(residual or 0))
+
+
+@cache
+def codecs(storage: Storage, head_dim: int) -> tuple[Codec, Codec] | None:
+    """The key and value codecs of a storage (one instance per storage, so the cache joins parts
+    coded alike), or None when it is plain."""
+    if storage.plain:
+        return None
+    group = max(g for g in (32, 16, 8, 4, 2, 1) if head_dim % g == 0)
+    return Uniform(storage.key_bits, "channel", GROUP), Uniform(storage.value_bits, "token", group)
+
+
+def cost(storage: Storage, head_dim: int, full: int, slot: int) -> Cost:
+    """What a token costs one head under `storage` (the cache's `Cost`): `full` bytes a plain
+    token's key and value take, `slot` its position index once compressed."""
+    pair = codecs(storage, head_dim)
+    if pair is None:
+        return Cost(full, full + slot)
+    kept = sum(c.token_bytes(head_dim) for c in pair) + slot
+    return Cost(full, kept, storage.residual + GROUP - 1, full + slot)
+
+
+def coded_count(kept: int, storage: Storage) -> int:
+    """Tokens of `kept` that are held encoded right after a compression: the oldest, in whole
+    groups, beyond the residual window (what `KVCache.encode` does)."""
+    if storage.plain:
+        return 0
+    return max(kept - storage.residual, 0) // GROUP * GROUP
+
+
+def held_bytes(kept: int, storage: Storage, head_dim: int, full: int, slot: int) -> float:
+    """Bytes a head holds right after keeping `kept` tokens under `storage` (slots included): its
+    coded tokens in freshly encoded whole groups (`cost` plans groups thinned by later evictions)."""
+    coded = coded_count(kept, storage)
+    pair = codecs(storage, head_dim)
+    if pair is None or coded == 0:
+        return kept * (full + slot)
+    keys, values = pair
+    meta = 2 * 2  # a float16 scale and zero
+    key_bytes = packed_size(head_dim, keys.bits) + head_dim * meta / GROUP
+    value_bytes = packed_size(head_dim, values.bits) + head_dim // values.group * meta
+    return coded * (key_bytes + value_bytes + slot) + (kept - coded) * (full + slot)

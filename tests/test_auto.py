@@ -1,0 +1,291 @@
+"""`auto`: byte budgets, the rate-distortion solver by hand, plans executed exactly by the cache."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from kvstack.cache.budget import Budget, Cost
+from kvstack.cache.cache import KVCache
+from kvstack.errors import UserError
+from kvstack.generate import _Runner
+from kvstack.planning.curves import FRACTIONS, head_errors
+from kvstack.planning.options import Storage, held_bytes
+from kvstack.planning.plan import Plan, decide, rescale
+from kvstack.planning.solve import SHARES, interpolate, solve
+from kvstack.stack import Stack
+
+TINY_AUTO = "auto(tokens=256, samples=1)"
+
+
+# ---- byte budgets ------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("text", "nbytes"),
+    [("64MB", 64 * 2**20), ("512KB", 512 * 2**10), ("1.5GB", int(1.5 * 2**30)), ("64MiB", 64 * 2**20)],
+)
+def test_sizes_parse_in_powers_of_1024_and_print_back(text, nbytes):
+    budget = Budget.parse(text)
+    assert budget.nbytes == nbytes
+    assert Budget.parse(str(budget)) == budget
+
+
+def test_a_size_resolves_to_the_fraction_of_the_context_at_hand():
+    assert Budget.parse("1MB").resolve(4 * 2**20).fraction == 0.25
+    assert Budget.parse("1GB").resolve(2**20).fraction == 1.0  # more than the full cache: keep everything
+
+
+@pytest.mark.parametrize("text", ["64XB", "MB", "-1MB"])
+def test_bad_sizes_are_one_line_errors(text):
+    with pytest.raises(UserError, match="64MB"):
+        Budget.parse(text)
+
+
+def test_a_byte_budget_holds_for_any_stack(llama):
+    ids = torch.randint(0, 97, (1, 200))
+    cache = KVCache(llama, "snapkv(window_size=4)", "20KB")
+    _Runner(llama, cache).forward(ids, torch.ones_like(ids))
+    assert cache.nbytes() <= 20 * 1024
+    assert cache.nbytes() > 0.9 * 20 * 1024 * cache.layers[0].token_bytes(False) / cache.layers[0].token_bytes()
+
+
+def test_a_byte_budget_below_the_smallest_cache_names_the_minimum(llama):
+    ids = torch.randint(0, 97, (1, 200))
+    cache = KVCache(llama, "snapkv(window_size=4)", "1KB")
+    with pytest.raises(UserError, match=r"below the smallest cache .* use a budget of at least 4.125KB"):
+        _Runner(llama, cache).forward(ids, torch.ones_like(ids))  # 4 layers x 2 heads x 4 tokens x 132 bytes
+
+
+# ---- options and the solver by hand ------------------------------------------------------
+def test_held_bytes_by_hand():
+    # K4V2 at head_dim 64 in bf16: keys 32 bytes of codes + 64 channels x (scale, zero) fp16 / 32 tokens = 40;
+    # values 16 + 2 channel groups x 4 bytes = 24; + a 4-byte slot. 100 kept, residual 0: 96 coded (3 groups)
+    storage = Storage.from_text("4/2+r0")
+    assert held_bytes(100, storage, 64, 256, 4) == 96 * (40 + 24 + 4) + 4 * (256 + 4)
+    assert held_bytes(100, Storage.from_text("4/2+r32"), 64, 256, 4) == 64 * 68 + 36 * 260
+    assert held_bytes(100, Storage(), 64, 256, 4) == 100 * 260
+    assert str(Storage.parse("4", 32)) == "4+r32" and Storage.from_text("16").plain
+
+
+def test_interpolation_is_linear_in_log_fraction():
+    fractions = torch.tensor([1.0, 0.5, 0.25])
+    curve = torch.tensor([[0.0, 1.0, 3.0]])
+    at = torch.tensor([[1.0, 0.5, 0.25, 2**-1.5, 2**-0.5, 0.01]])
+    assert torch.allclose(interpolate(curve, fractions, at), torch.tensor([[0.0, 1.0, 3.0, 2.0, 0.5, 3.0]]).double())
+
+
+def _curves(steep: float, flat: float) -> torch.Tensor:
+    """(1, 1, 2, 1, F) plain-storage distortion 1 - f, scaled per head."""
+    f = torch.tensor(FRACTIONS)
+    return torch.stack([steep * (1 - f), flat * (1 - f)])[None, None, :, None, :]
+
+
+def test_the_lagrangian_gives_the_bytes_to_the_head_that_loses_most():
+    n = torch.tensor([1000])
+    plain = [Cost(256, 260)]
+    half = 0.5 * 2 * 1000 * 256  # half of the two heads' full bytes
+    choice = solve(_curves(1.0, 0.01), torch.tensor(FRACTIONS), n, plain, half, 8, torch.tensor([8 * 260 / 256e3]))
+    steep, flat = choice.tokens[0].tolist()
+    # shares come in steps of 2^(-1/4): the steep head takes the largest that leaves the flat one its
+    # floor (2^(-1/4) -> 827 tokens at 260 bytes each with the slot), the flat head what is left (2^(-11/4))
+    assert choice.share[0].tolist() == pytest.approx([2**-0.25, 2**-2.75], rel=1e-6)
+    assert (steep, flat) == (827, 146)
+    spent = float((choice.share.double() * 1000 * 256).sum())
+    assert spent <= half and spent > 0.97 * half  # the bisection and the greedy fill spend the budget
+    swapped = solve(_curves(0.01, 1.0), torch.tensor(FRACTIONS), n, plain, half, 8, torch.tensor([8 * 260 / 256e3]))
+    assert swapped.tokens[0].tolist() == [flat, steep]
+
+
+def test_each_layer_takes_the_scorer_with_less_distortion():
+    good, bad = _curves(0.1, 0.1), _curves(1.0, 1.0)
+    curves = torch.cat([torch.cat([bad, good], 1), torch.cat([good, bad], 1)], 0)  # (2 scorers, 2 layers, ...)
+    n = torch.tensor([1000, 1000])
+    choice = solve(curves, torch.tensor(FRACTIONS), n, [Cost(256, 260)], 0.25 * 4 * 1000 * 256, 8, torch.zeros(2))
+    assert choice.scorer.tolist() == [1, 0]
+
+
+def test_coarser_storage_is_chosen_when_it_loses_less_than_the_tokens_it_frees():
+    f = torch.tensor(FRACTIONS)
+    plain_curve = 1 - f  # a token dropped costs 1/n
+    quantized = 0.001 + (1 - f)  # storing at 4 bits costs almost nothing
+    curves = torch.stack([plain_curve, quantized])[None, None, None]  # (1, 1, 1, 2, F)
+    costs = [Cost(256, 260), Cost(256, 64 + 4, 31, 260)]
+    choice = solve(curves, f, torch.tensor([2048]), costs, 0.125 * 2048 * 256, 8, torch.zeros(1))
+    assert choice.storage.item() == 1 and choice.tokens.item() > 2 * 0.125 * 2048
+
+
+def test_rescaled_shares_hold_the_budget_between_floor_and_one():
+    shares = torch.tensor([[0.5, 0.01], [0.2, 0.2]])
+    n = torch.tensor([100, 10])
+    out = rescale(shares, n, 0.5 * 100 * 2 * 8 + 0.5 * 10 * 2 * 8, 8, torch.tensor([0.05, 0.05]))
+    assert float((out * n[:, None] * 8).sum()) == pytest.approx(0.5 * 110 * 2 * 8, rel=1e-6)
+    assert float(out.min()) >= 0.05 and float(out.max()) <= 1.0
+
+
+def test_head_errors_measure_the_attention_output_by_hand():
+    # one query that attends to one of three tokens: keeping that token costs nothing, dropping it everything
+    keys = torch.tensor([[10.0, 0.0], [0.0, 10.0], [0.0, -10.0]])
+    values = torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.0, 0.0]])
+    query = torch.tensor([[10.0, 0.0]])
+    where = __import__("kvstack.cache.encoded", fromlist=["Where"]).Where(0, 0, "key")
+    keep_first = torch.tensor([3.0, 1.0, 0.0])
+    keep_last = torch.tensor([0.0, 1.0, 3.0])
+    errors = head_errors(query, keys, values, [keep_first, keep_last], [Storage()], 1.0, 1, where)
+    one_token = FRACTIONS.index(0.25)  # round(0.25 x 3) = 1 token
+    errors = errors[..., 0]  # one probe
+    assert errors[0, 0, one_token] < 1e-6
+    assert errors[1, 0, one_token] == pytest.approx(1.0, abs=1e-4)  # output (1, 0) becomes (0, 0)
+    assert errors[:, 0, 0].abs().max() < 1e-6  # everything kept at full precision
+
+
+# ---- the plan, executed by the cache -----------------------------------------------------
+def _prefill(model, spec, budget, n=600, batch=1):
+    ids = torch.randint(0, 97, (batch, n), generator=torch.Generator().manual_seed(1))
+    cache = KVCache(model, spec, budget)
+    runner = _Runner(model, cache)
+    runner.forward(ids, torch.ones_like(ids))
+    return cache, runner
+
+
+@pytest.mark.parametrize("budget", [0.25, 0.125])
+def test_plan_bytes_equal_the_measured_bytes(tiny, budget):
+    cache, _ = _prefill(tiny, TINY_AUTO, budget)
+    assert cache.plan.total_bytes == cache.nbytes()
+    assert cache.nbytes() <= budget * cache.full_nbytes()
+    assert cache.plan.full_bytes == cache.full_nbytes()
+
+
+def test_the_plan_for_a_length_is_what_the_cache_decides(tiny):
+    cache, _ = _prefill(tiny, TINY_AUTO, 0.125)
+    planned = Stack.parse(TINY_AUTO).stages[0].plan_for(tiny, Budget.parse(0.125), 600)
+    assert planned.tokens == cache.plan.tokens and planned.storages == cache.plan.storages
+    assert planned.total_bytes == cache.nbytes()
+
+
+def test_the_budget_holds_at_every_decoding_step(tiny):
+    cache, runner = _prefill(tiny, TINY_AUTO, 0.125)
+    for _ in range(64):
+        runner.forward(torch.randint(0, 97, (1, 1)), torch.ones(1, 1, dtype=torch.long))
+        assert cache.nbytes() <= 0.125 * cache.full_nbytes()
+
+
+def test_heads_are_stored_as_the_plan_says(llama, tmp_path):
+    cache, _ = _prefill(llama, TINY_AUTO, 0.25)
+    plan = cache.plan
+    plan.storages = [["2/1+r0", "16"] for _ in plan.storages]  # head 0 coded at K2V1, head 1 plain
+    plan.save(tmp_path / "p.json")
+    forced, _ = _prefill(llama, f"plan:{tmp_path / 'p.json'}", 0.25)
+    for layer in forced.layers:
+        assert [p.keys.codec.bits for p in layer.coded[0]] == [2] and [p.values.codec.bits for p in layer.coded[0]] == [
+            1
+        ]
+        assert layer.coded[1] == []
+    assert forced.nbytes() <= 0.25 * forced.full_nbytes()
+
+
+def test_a_saved_plan_reproduces_the_cache(tiny, tmp_path):
+    cache, _ = _prefill(tiny, TINY_AUTO, 0.125)
+    cache.plan.save(tmp_path / "p.json")
+    assert json.loads((tmp_path / "p.json").read_text())["scorers"] == cache.plan.scorers
+    again, _ = _prefill(tiny, f"plan:{tmp_path / 'p.json'}", 0.125)
+    assert again.nbytes() == cache.nbytes()
+    assert [layer.counts().tolist() for layer in again.layers] == [layer.counts().tolist() for layer in cache.layers]
+
+
+def test_full_budget_reproduces_the_full_cache(tiny):
+    ids = torch.randint(0, 97, (1, 120))
+    full = tiny(ids, past_key_values=KVCache(tiny)).logits
+    auto = tiny(ids, past_key_values=KVCache(tiny, TINY_AUTO, 1.0)).logits
+    assert torch.equal(full, auto)
+
+
+def test_a_batch_keeps_each_row_as_alone(llama):
+    rows = [torch.randint(0, 97, (300,), generator=torch.Generator().manual_seed(s)) for s in (3, 4)]
+    alone = []
+    for row in rows:
+        cache = KVCache(llama, TINY_AUTO, 0.125)
+        _Runner(llama, cache).forward(row[None], torch.ones(1, 300, dtype=torch.long))
+        alone.append([layer.counts()[0].tolist() for layer in cache.layers])
+    together = KVCache(llama, TINY_AUTO, 0.125)
+    ids = torch.stack(rows)
+    _Runner(llama, together).forward(ids, torch.ones_like(ids))
+    for b in range(2):
+        assert [layer.counts()[b].tolist() for layer in together.layers] == alone[b]
+
+
+def test_sliding_layers_are_planned_over_their_window():
+    from tiny import tiny_gemma3
+
+    model = tiny_gemma3()
+    cache, _ = _prefill(model, TINY_AUTO, 0.25)
+    types = model.config.layer_types
+    held = [15 if t == "sliding_attention" else 600 for t in types]  # window 16 holds 15 earlier tokens
+    assert cache.plan.held == held
+
+
+# ---- calibration and errors --------------------------------------------------------------
+def test_curves_are_measured_once_and_saved(llama, tmp_path, monkeypatch):
+    from kvstack.calibrate import store
+
+    monkeypatch.setenv("KVSTACK_CALIBRATION", str(tmp_path))
+    store.forget()
+    stage = Stack.parse("auto(tokens=128, samples=1, scorers=('snapkv',))").stages[0]
+    curves = stage.prepare(llama)
+    assert curves.shape == (1, 4, 2, len(stage.storages), len(FRACTIONS))
+    assert [p.name for p in tmp_path.iterdir()] == [f"{store.model_key(llama)}-{stage.kind}.pt"]
+    assert torch.all(curves[..., 0, 0] == 0)  # everything kept in full precision: no distortion
+    assert torch.all(curves[..., 0, -1] >= curves[..., 0, 0])
+    store.forget()
+    assert torch.equal(stage.prepare(llama), curves)  # read back from disk
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("auto+kivi", "use it alone"),
+        ("pyramid(auto)", "eviction method"),
+        ("plan:/nowhere/p.json", "does not exist"),
+        ("auto(bits=('3/5',))", "not supported"),
+        ("auto(scorers=('kivi',))", "not an eviction method"),
+        ("auto(residuals=(-1,))", "residuals"),
+    ],
+)
+def test_bad_specs_are_one_line_errors(spec, message):
+    with pytest.raises(UserError, match=message):
+        Stack.parse(spec)
+
+
+def test_auto_budgets_are_bytes_and_cannot_go_below_its_fewest_tokens(llama):
+    with pytest.raises(UserError, match="auto plans bytes"):
+        _prefill(llama, TINY_AUTO, "64t")
+    with pytest.raises(UserError, match="use a budget of at least"):
+        _prefill(llama, TINY_AUTO, "2KB")
+
+
+def test_decide_refuses_a_budget_below_least_tokens_at_full_precision():
+    curves = _curves(1.0, 1.0)
+    n = torch.tensor([1000])
+    with pytest.raises(UserError, match=r"8 tokens per head at full precision, 4.06\d?KB\): use a budget of at least"):
+        decide(curves, torch.tensor(FRACTIONS), ["snapkv"], [Storage()], n, 64, 256, 4, 1000.0, 8, budget="1000B")
+
+
+def test_shares_grid_reaches_below_one_token_per_thousand():
+    assert min(SHARES) < 1e-3 and max(SHARES) == 1.0
+
+
+def test_a_plan_file_for_another_model_is_refused(llama, tmp_path):
+    plan = Plan("x", "0.1", 10, ["snapkv"], [["16"]], [[0.1]], [[1]], [[1.0]], [10], 256, 4, 64, 8)
+    plan.save(tmp_path / "p.json")
+    with pytest.raises(UserError, match="plan for it with `kvstack plan`"):
+        _prefill(llama, f"plan:{tmp_path / 'p.json'}", 0.25)
+
+
+def test_uniform_one_gives_every_head_the_same_share():
+    n = torch.tensor([1000, 1000])
+    curves = torch.cat([_curves(1.0, 0.01), _curves(0.5, 0.0)], 1)  # (1, 2 layers, 2 heads, 1, F)
+    budget = 0.25 * 4 * 1000 * 256
+    plan = decide(curves, torch.tensor(FRACTIONS), ["snapkv"], [Storage()], n, 64, 256, 4, budget, 8, uniform=1.0)
+    assert torch.allclose(torch.tensor(plan.shares, dtype=torch.float64), torch.full((2, 2), 0.25, dtype=torch.float64))
+    free = decide(curves, torch.tensor(FRACTIONS), ["snapkv"], [Storage()], n, 64, 256, 4, budget, 8, uniform=0.5)
+    assert min(map(min, free.shares)) >= 0.125 - 1e-9 and max(map(max, free.shares)) > 0.3
