@@ -193,25 +193,39 @@ def test_a_saved_plan_reproduces_the_cache(tiny, tmp_path):
     assert [layer.counts().tolist() for layer in again.layers] == [layer.counts().tolist() for layer in cache.layers]
 
 
-def test_full_budget_reproduces_the_full_cache(tiny):
+@pytest.mark.parametrize("budget", [1.0, "1GB"])
+def test_a_budget_that_pays_for_everything_reproduces_the_full_cache(tiny, budget):
+    """At 1.0 the cache never plans; a byte budget above the full cache goes through the plan,
+    which then keeps every token in the model's dtype (no slot, no code)."""
     ids = torch.randint(0, 97, (1, 120))
     full = tiny(ids, past_key_values=KVCache(tiny)).logits
-    auto = tiny(ids, past_key_values=KVCache(tiny, TINY_AUTO, 1.0)).logits
-    assert torch.equal(full, auto)
+    cache = KVCache(tiny, TINY_AUTO, budget)
+    assert torch.equal(full, tiny(ids, past_key_values=cache).logits)
+    assert cache.nbytes() == cache.full_nbytes()
+    planned = Stack.parse(TINY_AUTO).stages[0].plan_for(tiny, Budget.parse("1GB"), 120)
+    assert planned.total_bytes == planned.full_bytes
 
 
-def test_a_batch_keeps_each_row_as_alone(llama):
-    rows = [torch.randint(0, 97, (300,), generator=torch.Generator().manual_seed(s)) for s in (3, 4)]
+@pytest.mark.parametrize(("spec", "budget"), [(TINY_AUTO, 0.125), ("snapkv(window_size=4)", "24KB")])
+def test_a_padded_batch_keeps_each_row_as_alone(llama, spec, budget):
+    """Rows of 300 and 200 tokens (left-padded): each keeps what it keeps alone; a byte budget is
+    per sequence."""
+    rows = [torch.randint(0, 97, (n,), generator=torch.Generator().manual_seed(n)) for n in (300, 200)]
     alone = []
     for row in rows:
-        cache = KVCache(llama, TINY_AUTO, 0.125)
-        _Runner(llama, cache).forward(row[None], torch.ones(1, 300, dtype=torch.long))
-        alone.append([layer.counts()[0].tolist() for layer in cache.layers])
-    together = KVCache(llama, TINY_AUTO, 0.125)
-    ids = torch.stack(rows)
-    _Runner(llama, together).forward(ids, torch.ones_like(ids))
+        cache = KVCache(llama, spec, budget)
+        _Runner(llama, cache).forward(row[None], torch.ones(1, len(row), dtype=torch.long))
+        alone.append(([layer.counts()[0].tolist() for layer in cache.layers], cache.nbytes()))
+    together = KVCache(llama, spec, budget)
+    ids = torch.zeros(2, 300, dtype=torch.long)
+    mask = torch.zeros(2, 300, dtype=torch.long)
+    for b, row in enumerate(rows):
+        ids[b, 300 - len(row) :], mask[b, 300 - len(row) :] = row, 1
+    _Runner(llama, together).forward(ids, mask)
     for b in range(2):
-        assert [layer.counts()[b].tolist() for layer in together.layers] == alone[b]
+        assert [layer.counts()[b].tolist() for layer in together.layers] == alone[b][0]
+    if isinstance(budget, str):
+        assert all(nbytes <= 24 * 1024 for _, nbytes in alone)
 
 
 def test_sliding_layers_are_planned_over_their_window():
@@ -235,7 +249,6 @@ def test_curves_are_measured_once_and_saved(llama, tmp_path, monkeypatch):
     assert curves.shape == (1, 4, 2, len(stage.storages), len(FRACTIONS))
     assert [p.name for p in tmp_path.iterdir()] == [f"{store.model_key(llama)}-{stage.kind}.pt"]
     assert torch.all(curves[..., 0, 0] == 0)  # everything kept in full precision: no distortion
-    assert torch.all(curves[..., 0, -1] >= curves[..., 0, 0])
     store.forget()
     assert torch.equal(stage.prepare(llama), curves)  # read back from disk
 
@@ -268,6 +281,33 @@ def test_decide_refuses_a_budget_below_least_tokens_at_full_precision():
     n = torch.tensor([1000])
     with pytest.raises(UserError, match=r"8 tokens per head at full precision, 4.06\d?KB\): use a budget of at least"):
         decide(curves, torch.tensor(FRACTIONS), ["snapkv"], [Storage()], n, 64, 256, 4, 1000.0, 8, budget="1000B")
+
+
+def test_a_quantizer_alone_cannot_hold_a_byte_budget(llama):
+    with pytest.raises(UserError, match="evicts nothing, so it cannot hold a byte budget"):
+        KVCache(llama, "kivi(group=16)", "64MB")
+
+
+def test_a_saved_plan_keeps_its_own_fewest_tokens(llama, tmp_path):
+    cache, _ = _prefill(llama, "auto(tokens=256, samples=1, least=2)", 0.25)
+    cache.plan.save(tmp_path / "p.json")
+    assert Stack.parse(f"plan:{tmp_path / 'p.json'}").stages[0].min_tokens == 2
+
+
+def test_floors_that_do_not_fit_drop_the_uniform_part():
+    from kvstack.planning.plan import floor_shares
+
+    n = torch.tensor([15, 15, 15, 15, 15, 2048])  # five short sliding layers and one global
+    tight = floor_shares(n, 8, 256, 4, uniform=0.8, budget_bytes=0.02 * float(n.sum()) * 256, heads=1)
+    assert torch.allclose(tight, torch.clamp(n, max=8).double() * 260 / (n.double() * 256))
+    roomy = floor_shares(n, 8, 256, 4, uniform=0.8, budget_bytes=0.5 * float(n.sum()) * 256, heads=1)
+    assert float(roomy[-1]) == pytest.approx(0.4)
+
+
+def test_the_solver_at_the_whole_budget_keeps_almost_everything_plain():
+    n = torch.tensor([1000])
+    choice = solve(_curves(1.0, 1.0), torch.tensor(FRACTIONS), n, [Cost(256, 260)], 2 * 1000 * 256, 8, torch.zeros(1))
+    assert choice.tokens.min() >= 980  # every share at 1 (the slots its evictions make explicit cost the rest)
 
 
 def test_shares_grid_reaches_below_one_token_per_thousand():

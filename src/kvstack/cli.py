@@ -228,9 +228,12 @@ def _split(text: str) -> tuple[str, ...]:
 def _length(text: str) -> int:
     raw = text.strip().lower()
     try:
-        return int(float(raw[:-1]) * 1024) if raw.endswith("k") else int(raw)
+        tokens = int(float(raw[:-1]) * 1024) if raw.endswith("k") else int(raw)
     except ValueError:
         raise UserError(f"length '{text}' is not understood: write 2k, 4k or a token count like 3000") from None
+    if tokens < 1:
+        raise UserError(f"length '{text}' is out of range: give at least 1 token, e.g. 2k")
+    return tokens
 
 
 @app.command()

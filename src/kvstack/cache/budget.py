@@ -2,8 +2,8 @@
 
 `0.25` is a fraction of the full cache's bytes (it follows the sequence as it grows, so the
 ratio holds at every step); `512t` is a fixed number of tokens per KV head; `64MB` (also `512KB`,
-`1.5GB`, powers of 1024) is an absolute number of bytes for the whole cache, turned into a
-fraction of the context at hand by the cache at every step (`Budget.resolve`).
+`1.5GB`, `123456B`; powers of 1024) is an absolute number of bytes per sequence, turned into
+a fraction of that sequence's context by the cache at every step (`Budget.resolve`).
 """
 
 from __future__ import annotations
@@ -37,13 +37,13 @@ class Budget:
 
     @classmethod
     def parse(cls, text: str | float | int | Budget) -> Budget:
-        """Parse `0.25` (fraction of full bytes) or `512t` (tokens per head)."""
+        """Parse `0.25` (fraction of full bytes), `512t` (tokens per head) or `64MB` (bytes per sequence)."""
         if isinstance(text, Budget):
             return text
         raw = str(text).strip().lower()
-        size = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*([kmg])i?b", raw)
+        size = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*([kmg]?)i?b", raw)
         if size:
-            return cls(nbytes=int(float(size.group(1)) * 1024 ** "kmg".index(size.group(2)) * 1024))
+            return cls(nbytes=int(float(size.group(1)) * 1024 ** " kmg".index(size.group(2) or " ")))
         if raw.endswith("t"):
             try:
                 return cls(tokens=int(raw[:-1]))
@@ -73,16 +73,17 @@ class Budget:
 
     def __str__(self) -> str:
         if self.nbytes is not None:
-            return size_text(self.nbytes)
+            return size_text(self.nbytes, exact=True)
         return f"{self.tokens}t" if self.tokens is not None else f"{self.fraction:g}"
 
 
-def size_text(nbytes: float) -> str:
-    """`64MB`, `512KB`, `1.5GB`: a byte count the way `Budget.parse` reads it back (powers of 1024)."""
+def size_text(nbytes: float, exact: bool = False) -> str:
+    """`64MB`, `512KB`, `1.5GB` (powers of 1024, 4 significant digits); with `exact`, a text
+    `Budget.parse` reads back to the same byte count (`1234567B` when no unit divides it)."""
     for unit, scale in (("GB", 1024**3), ("MB", 1024**2), ("KB", 1024)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.4g}{unit}"
-    return f"{nbytes / 1024:.4g}KB"
+        if nbytes >= scale and (not exact or (nbytes * 4) % scale == 0):
+            return f"{nbytes / scale:.4g}{unit}" if not exact else f"{nbytes / scale:g}{unit}"
+    return f"{int(nbytes)}B" if exact else f"{nbytes / 1024:.4g}KB"
 
 
 @dataclass(frozen=True)

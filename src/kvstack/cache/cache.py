@@ -86,7 +86,8 @@ class KVCache(Cache):
         self.planner = next((s for s in self.stack.selection if s.family == "auto"), None)  # `auto`
         self.curves = self.planner.prepare(model_or_config) if self.planner is not None else None
         self.plan: Any = None  # what `auto` decided (kvstack.planning.plan.Plan), at the first compression
-        self._shares: tuple[int, torch.Tensor] | None = None  # (seen, (L, h) byte shares) memo
+        self._shares: tuple[int, torch.Tensor] | None = None  # (seen, (b, L, h) byte shares) memo
+        self._budgets: tuple[int, list[Budget]] | None = None  # (seen, each sequence's budget) memo
         self.codecs: tuple[Codec, Codec] | None = None  # how tokens beyond the residual window are stored
         self.demote_codecs: tuple[Codec, Codec] | None = None  # how tokens a selection leaves out are (MiKV)
         self._cost: Cost | None = None  # bytes per token by how it is stored (`cost`), once tokens exist
@@ -118,6 +119,11 @@ class KVCache(Cache):
     def _check_alone(self, quantizer: Any, head_dim: int, source: Any) -> None:
         """One-line error when a stack that keeps every token (a quantizer without eviction, or
         MiKV's low precision) cannot reach the budget."""
+        if self.budget.nbytes is not None and self.stack.evictor is None:
+            raise UserError(
+                f"{self.stack.label} evicts nothing, so it cannot hold a byte budget ({self.budget}): add an "
+                f"eviction stage (snapkv+{self.stack.label}) or give a fraction"
+            )
         if self.budget.fraction is None or self.budget.is_full:
             return
         full = 2 * head_dim * getattr(source, "dtype", torch.bfloat16).itemsize
@@ -256,10 +262,14 @@ class KVCache(Cache):
         seen = layer.seen if seen is None else seen
         room, n_exempt = self._room(layer, seen, ref)
         cost = self.cost(ref)
-        budget = self.budget_at(seen, ref)
+        budgets = self.budgets_at(seen, ref)
         if self.codecs is not None:
-            self._check_affordable(int(room.max()), cost, budget)
-        return tokens_to_keep(budget, room, cost), room, n_exempt
+            for b, budget in enumerate(budgets):
+                self._check_affordable(int(room[b]), cost, budget)
+        if len(set(budgets)) == 1:
+            return tokens_to_keep(budgets[0], room, cost), room, n_exempt
+        base = torch.cat([tokens_to_keep(budget, room[b : b + 1], cost) for b, budget in enumerate(budgets)])
+        return base, room, n_exempt
 
     def _room(self, layer: CompressedLayer, seen: int, ref: CompressedLayer) -> tuple[torch.Tensor, torch.Tensor]:
         """(room, exempt), both (b,): evictable tokens a full cache holds in `layer` after `seen`
@@ -271,26 +281,29 @@ class KVCache(Cache):
             n_exempt = torch.minimum(n_exempt, n_full)
         return n_full - n_exempt, n_exempt
 
-    def budget_at(self, seen: int, ref: CompressedLayer) -> Budget:
-        """The budget as the cache applies it after `seen` slots: a byte budget (`64MB`) becomes the
-        fraction of the full cache's evictable bytes it pays for now; one-line error when it cannot
-        pay for the fewest tokens the stack keeps per head."""
+    def budgets_at(self, seen: int, ref: CompressedLayer) -> list[Budget]:
+        """The budget of each sequence as the cache applies it after `seen` slots: a byte budget
+        (`64MB`, per sequence) becomes the fraction of that sequence's full evictable bytes it pays
+        for now (memoised per step); one-line error when it cannot pay for the fewest tokens the
+        stack keeps per head."""
         if self.budget.nbytes is None:
-            return self.budget
-        rooms = torch.stack([self._room(layer, seen, ref)[0] for layer in self.layers])  # (L, b)
-        full = ref.token_bytes(explicit_slots=False)
-        per_head = rooms.double() * full * ref.n_kv_heads
-        least = torch.clamp(rooms, max=self.stack.min_tokens).double() * ref.token_bytes() * ref.n_kv_heads
-        if self.budget.nbytes < float(least.sum()):
+            return [self.budget] * ref.batch
+        if self._budgets is not None and self._budgets[0] == seen:
+            return self._budgets[1]
+        rooms = torch.stack([self._room(layer, seen, ref)[0] for layer in self.layers]).cpu()  # (L, b)
+        full, heads = ref.token_bytes(explicit_slots=False), ref.n_kv_heads
+        least = float(torch.clamp(rooms, max=self.stack.min_tokens).sum(0).max()) * ref.token_bytes() * heads
+        if self.budget.nbytes < least:
             from kvstack.cache.budget import size_text
 
-            smallest = size_text(float(least.sum()))
             raise UserError(
                 f"budget {self.budget} is below the smallest cache {self.stack.label} can hold for "
-                f"{int(rooms.max())} tokens ({self.stack.min_tokens} tokens per head, {smallest}): "
-                f"use a budget of at least {smallest}"
+                f"{int(rooms.max())} tokens ({self.stack.min_tokens} tokens per head, {size_text(least)}): "
+                f"use a budget of at least {size_text(least)}"
             )
-        return self.budget.resolve(float(per_head.sum()))
+        budgets = [self.budget.resolve(float(row.sum()) * full * heads) for row in rooms.T]
+        self._budgets = (seen, budgets)
+        return budgets
 
     def _check_affordable(self, n_full: int, cost: Cost, budget: Budget) -> None:
         """One-line error when the budget cannot pay a quantizer's fixed costs at this length."""
@@ -367,23 +380,26 @@ class KVCache(Cache):
 
     def planned_keep(self, layer: CompressedLayer, room: torch.Tensor) -> torch.Tensor:
         """(b, h) tokens each head of `layer` keeps under `auto`'s plan: its byte share of its full
-        bytes (rescaled per sequence as it grows, so each holds the budget), at its storage."""
+        bytes (rescaled per sequence as it grows, so each sequence holds its budget), at its
+        storage; everything when the budget pays for the full cache."""
         from kvstack.planning.options import cost
-        from kvstack.planning.plan import share_budget
+        from kvstack.planning.solve import share_budget
 
         shares = self.plan_shares(layer)[:, layer.layer_idx]  # (b, h)
         full = layer.token_bytes(explicit_slots=False)
         slot, d = layer.token_bytes() - full, layer.keys[0].shape[-1]
-        keep = torch.zeros(layer.batch, layer.n_kv_heads, dtype=torch.long, device=room.device)
+        keep = room.unsqueeze(1).expand(-1, layer.n_kv_heads).clone()
         for h in range(layer.n_kv_heads):
             head_cost = cost(self.plan.storage(layer.layer_idx, h), d, full, slot)
             for b in range(layer.batch):
-                keep[b, h] = tokens_to_keep(share_budget(float(shares[b, h])), room[b : b + 1], head_cost)[0]
+                if float(shares[b].min()) < 1.0:
+                    keep[b, h] = tokens_to_keep(share_budget(float(shares[b, h])), room[b : b + 1], head_cost)[0]
         return keep
 
     def plan_shares(self, layer: CompressedLayer) -> torch.Tensor:
-        """(b, L, h) each sequence's byte share per head now; `auto` decides its plan at the first
-        call, for the longest sequence (memoised per step)."""
+        """(b, L, h) each sequence's byte share per head now (all 1 when its budget pays for the
+        full cache); `auto` decides its plan at the first call, at the longest sequence's budget
+        (memoised per step)."""
         seen = layer.seen
         if self._shares is not None and self._shares[0] == seen:
             return self._shares[1]
@@ -392,8 +408,7 @@ class KVCache(Cache):
             raise UserError(f"auto plans bytes: give a fraction (0.25) or a size (64MB), not {self.budget}")
         rooms = torch.stack([self._room(x, seen, like)[0] for x in self.layers]).cpu()  # (L, b)
         full, heads = like.token_bytes(explicit_slots=False), like.n_kv_heads
-        fraction = self.budget_at(seen, like).fraction
-        assert fraction is not None
+        fractions = [float(budget.fraction or 1.0) for budget in self.budgets_at(seen, like)]
         if self.plan is None:
             layout = {
                 "heads": heads,
@@ -401,12 +416,17 @@ class KVCache(Cache):
                 "full": full,
                 "slot": like.token_bytes() - full,
                 "windows": [x.sliding_window for x in self.layers],
+                "reference": self.planner.reference_length(text_config(getattr(self._source, "config", self._source))),
                 "model": str(getattr(getattr(self._source, "config", None), "name_or_path", "")),
                 "budget": str(self.budget),
             }
-            self.plan = self.planner.decide(self.curves, rooms.amax(1), fraction, layout)
-        shares = [self.plan.shares_now(n, fraction * float(n.sum()) * heads * full) for n in rooms.T]
-        self._shares = (seen, torch.stack(shares))
+            longest = int(rooms.sum(0).argmax())
+            self.plan = self.planner.decide(self.curves, rooms[:, longest], fractions[longest], layout)
+        shares = [
+            self.plan.shares_now(n, f * float(n.sum()) * heads * full) if f < 1.0 else torch.ones(len(n), heads)
+            for n, f in zip(rooms.T, fractions, strict=True)
+        ]
+        self._shares = (seen, torch.stack([x.double() for x in shares]))
         return self._shares[1]
 
     def allocation_weights(self) -> torch.Tensor | None:

@@ -41,7 +41,7 @@ class Auto(Method):
 
     name = "auto"
     family = "auto"
-    paper = "rate-distortion allocation over kvstack's own stages (issue 7)"
+    paper = "kvstack: rate-distortion allocation of one byte budget over its own stages"
     scorers: tuple[str, ...] = ("kvzip",)
     bits: tuple[str, ...] = ("16", "8", "4", "4/2", "2", "2/1")
     residuals: tuple[int, ...] = (0, 32)
@@ -106,7 +106,7 @@ class Auto(Method):
 
     @property
     def min_tokens(self) -> int:
-        return self.least
+        return self.saved.least if self.saved is not None else self.least
 
     @property
     def kind(self) -> str:
@@ -126,8 +126,7 @@ class Auto(Method):
 
         config = text_config(model.config)
         heads = config.num_hidden_layers * (getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
-        limit = getattr(config, "max_position_embeddings", None) or self.tokens + 256
-        tokens = min(self.tokens, limit - 256)
+        tokens = self.reference_length(config)
 
         def run(m: Any) -> torch.Tensor:
             with Ticker("auto: measuring distortion per head", heads * self.samples, after=0.0) as ticker:
@@ -135,6 +134,12 @@ class Auto(Method):
                 return measure(m, methods, self.storages, self.samples, tokens, self.least, ticker=ticker)
 
         return calibrated(model, self.kind, run)
+
+    def reference_length(self, config: Any) -> int:
+        """Tokens per calibration row, and the length the plan is solved at: `tokens`, or less when
+        the model's positions stop sooner (room is left for the probes)."""
+        limit = getattr(config, "max_position_embeddings", None) or self.tokens + 256
+        return max(64, min(self.tokens, limit - 256))
 
     def decide(self, curves: torch.Tensor | None, n: torch.Tensor, fraction: float, layout: dict[str, Any]) -> Plan:
         """The plan executed for heads holding n (L,) tokens under `fraction` of the full bytes,
@@ -144,20 +149,22 @@ class Auto(Method):
         from kvstack.planning.plan import check_fits, decide
 
         heads, full = layout["heads"], layout["full"]
-        check_fits(
-            n, heads, full + layout["slot"], self.least, fraction * float(n.sum()) * heads * full, layout["budget"]
-        )
+        least = self.min_tokens
+        check_fits(n, heads, full + layout["slot"], least, fraction * float(n.sum()) * heads * full, layout["budget"])
         if self.saved is not None:
-            if len(self.saved.scorers) != len(n) or len(self.saved.storages[0]) != heads:
+            saved = (len(self.saved.scorers), len(self.saved.storages[0]), self.saved.head_dim, self.saved.token_bytes)
+            if saved != (len(n), heads, layout["head_dim"], full):
                 raise UserError(
-                    f"plan {self.plan} is for {len(self.saved.scorers)} layers x {len(self.saved.storages[0])} "
-                    f"KV heads, this model has {len(n)} x {heads}: plan for it with `kvstack plan`"
+                    f"plan {self.plan} is for {saved[0]} layers x {saved[1]} KV heads of dim {saved[2]} at "
+                    f"{saved[3]} bytes per token, this model has {len(n)} x {heads} of dim {layout['head_dim']} at "
+                    f"{full}: plan for it with `kvstack plan`"
                 )
             return self.saved.at(n, fraction * float(n.sum()) * heads * full)
         assert curves is not None
         if tuple(curves.shape[1:3]) != (len(n), heads):
             raise UserError("auto's curves were measured on another model: build the KVCache from the model it serves")
-        reference = torch.tensor([min(self.tokens, w - 1) if w else self.tokens for w in layout["windows"]])
+        length = layout["reference"]
+        reference = torch.tensor([min(length, w - 1) if w else length for w in layout["windows"]])
         decided = decide(
             curves,
             torch.tensor(FRACTIONS),
@@ -196,6 +203,7 @@ class Auto(Method):
         fraction = budget.resolve(float(n.sum()) * heads * full).fraction
         assert fraction is not None
         layout = {"heads": heads, "head_dim": head_dim, "full": full, "slot": slot, "windows": windows}
+        layout["reference"] = self.reference_length(config)
         layout |= {"budget": str(budget), "model": str(getattr(model.config, "name_or_path", ""))}
         return self.decide(self.prepare(model), n, fraction, layout)
 

@@ -72,7 +72,7 @@ def head_errors(
                 k_held = stored(kept_k, coded, storage, where)
                 v_held = stored(kept_v, coded, storage, Where(where.layer, where.head, "value"))
                 error = (attend(queries.float(), k_held, v_held, scale) - reference).pow(2).sum(-1)
-                out[s, q, f] = torch.zeros(out.shape[-1]).index_add_(0, probe, error)
+                out[s, q, f] = torch.zeros(out.shape[-1]).index_add_(0, probe, error.cpu())
     return out
 
 
@@ -128,7 +128,7 @@ def measure(
                 group = [n * layer.groups for n in segments]
                 probe_of = torch.repeat_interleave(torch.arange(len(probes)), torch.tensor(group))
                 out = attend(q.float(), keys[h].float(), values[h].float(), layer.scaling).pow(2).sum(-1)
-                energy.index_add_(0, probe_of, out)
+                energy.index_add_(0, probe_of, out.cpu())
                 where = Where(i, h, "key")
                 per_head.append(
                     head_errors(

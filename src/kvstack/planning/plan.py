@@ -14,10 +14,10 @@ from pathlib import Path
 
 import torch
 
-from kvstack.cache.budget import Budget, Cost, size_text, tokens_to_keep
+from kvstack.cache.budget import Cost, size_text, tokens_to_keep
 from kvstack.errors import UserError
 from kvstack.planning.options import Storage, cost, held_bytes
-from kvstack.planning.solve import solve
+from kvstack.planning.solve import share_budget, solve
 
 
 @dataclass
@@ -89,7 +89,13 @@ class Plan:
 
     def at(self, n: torch.Tensor, budget_bytes: float) -> Plan:
         """This decision executed for heads holding n (L,) tokens under `budget_bytes`: the tokens
-        each head keeps (as the cache counts them) and the bytes it then holds."""
+        each head keeps (as the cache counts them) and the bytes it then holds; everything, in
+        the model's dtype, when the budget pays for the full cache."""
+        heads = len(self.storages[0])
+        if budget_bytes >= float(n.sum()) * heads * self.token_bytes:
+            tokens = [[int(x)] * heads for x in n]
+            held = [[float(x) * self.token_bytes] * heads for x in n]
+            return replace(self, length=int(n.max()), tokens=tokens, bytes=held, held=n.tolist())
         shares = self.shares_now(n, budget_bytes)
         tokens, held = [], []
         for i, row in enumerate(self.storages):
@@ -181,16 +187,14 @@ def floor_shares(
     n: torch.Tensor, least: int, full: int, slot: int, uniform: float = 0.0, budget_bytes: float = 0.0, heads: int = 1
 ) -> torch.Tensor:
     """(L,) the least byte share of a head holding n (L,): `least` plain tokens (slots included),
-    and at least `uniform` of the share a uniform split of `budget_bytes` over `heads` per layer gives."""
+    and at least `uniform` of the share a uniform split of `budget_bytes` over `heads` per layer gives
+    (dropped when, with the least tokens of short sliding layers, it would not fit the budget)."""
     tokens = torch.clamp(n, max=least).double() * (full + slot) / (n.clamp(min=1).double() * full)
     even = budget_bytes / max(float(n.sum()) * heads * full, 1e-30)
-    return torch.maximum(tokens, torch.full_like(tokens, uniform * even)).clamp(max=1.0)
-
-
-def share_budget(share: float) -> Budget:
-    """A head's byte share as a fraction budget, kept below 1 so a head that evicts nothing still
-    pays for the slots its layer's evictions make explicit (a 1.0 budget would keep everything)."""
-    return Budget(fraction=min(max(share, 1e-12), 1.0 - 1e-9))
+    floor = torch.maximum(tokens, torch.full_like(tokens, uniform * even)).clamp(max=1.0)
+    if float((floor * n.double()).sum()) * heads * full > budget_bytes:  # the least tokens leave less to split
+        floor = tokens.clamp(max=1.0)
+    return floor
 
 
 def keep_tokens(share: float, n: int, cost: Cost, least: int) -> int:

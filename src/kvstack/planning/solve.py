@@ -44,13 +44,19 @@ def interpolate(curve: torch.Tensor, fractions: torch.Tensor, at: torch.Tensor) 
     return y0 + w * (y1 - y0)
 
 
+def share_budget(share: float) -> Budget:
+    """A head's byte share as a fraction budget, kept below 1 so a head that evicts nothing still
+    pays for the slots its layer's evictions make explicit (a 1.0 budget would keep everything)."""
+    return Budget(fraction=min(max(share, 1e-12), 1.0 - 1e-9))
+
+
 def option_tokens(n: torch.Tensor, costs: list[Cost], least: int) -> torch.Tensor:
     """(L, Q, P) tokens a head of each layer keeps with n (L,) tokens, storage q and share `SHARES[p]`
     (at least `least`, never more than it holds)."""
     out = torch.zeros(len(n), len(costs), len(SHARES), dtype=torch.long)
     for q, cost in enumerate(costs):
         for p, share in enumerate(SHARES):
-            out[:, q, p] = tokens_to_keep(Budget(fraction=share), n, cost)
+            out[:, q, p] = tokens_to_keep(share_budget(share), n, cost)
     return torch.maximum(out, torch.clamp(n, max=least)[:, None, None])
 
 
@@ -66,8 +72,9 @@ def solve(
     """The cheapest distortion within `budget_bytes` (per sequence): distortion (S, L, H, Q, F)
     measured at `fractions` (F,), n (L,) tokens each head of a layer holds, costs (Q,) per storage.
     A head's bytes are its share of its full bytes (what the cache allows it at every step), at
-    least its layer's `floor` (L,) (the share of `least` plain tokens). After the bisection, heads
-    are upgraded greedily into the bytes it left (best distortion saved per byte first)."""
+    least its layer's `floor` (L,) (`least` plain tokens, a part of a uniform split). After the
+    bisection, heads are upgraded greedily into the bytes it left (best distortion saved per byte
+    first, at most 4 moves per head)."""
     S, L, H, Q, _ = distortion.shape
     tokens = option_tokens(n, costs, least)  # (L, Q, P)
     kept = tokens.double() / n.clamp(min=1).double()[:, None, None]
