@@ -188,7 +188,8 @@ def test_auto_plans_bytes_the_real_cache_then_holds(name):
         assert cache.nbytes() == planned.total_bytes
         assert cache.full_nbytes() == planned.full_bytes
         limit = 0.0625 * cache.full_nbytes() if budget == "0.0625" else 2**20
-        assert 0.8 * limit < cache.nbytes() <= limit
+        # below the limit by the decoding reserve: each coded head keeps room for 31 tokens in bf16
+        assert 0.6 * limit < cache.nbytes() <= limit
     sliding = [i for i, t in enumerate(getattr(lm.model.config, "layer_types", None) or []) if t == "sliding_attention"]
     if name.startswith("gemma"):
         assert sliding and all(cache.plan.held[i] == 511 for i in sliding)
