@@ -383,7 +383,7 @@ class KVCache(Cache):
         bytes (rescaled per sequence as it grows, so each sequence holds its budget), at its
         storage; everything when the budget pays for the full cache."""
         from kvstack.planning.options import cost
-        from kvstack.planning.solve import share_budget
+        from kvstack.planning.plan import keep_tokens
 
         shares = self.plan_shares(layer)[:, layer.layer_idx]  # (b, h)
         full = layer.token_bytes(explicit_slots=False)
@@ -393,7 +393,7 @@ class KVCache(Cache):
             head_cost = cost(self.plan.storage(layer.layer_idx, h), d, full, slot)
             for b in range(layer.batch):
                 if float(shares[b].min()) < 1.0:
-                    keep[b, h] = tokens_to_keep(share_budget(float(shares[b, h])), room[b : b + 1], head_cost)[0]
+                    keep[b, h] = keep_tokens(float(shares[b, h]), int(room[b]), head_cost, self.stack.min_tokens)
         return keep
 
     def plan_shares(self, layer: CompressedLayer) -> torch.Tensor:
@@ -410,16 +410,7 @@ class KVCache(Cache):
         full, heads = like.token_bytes(explicit_slots=False), like.n_kv_heads
         fractions = [float(budget.fraction or 1.0) for budget in self.budgets_at(seen, like)]
         if self.plan is None:
-            layout = {
-                "heads": heads,
-                "head_dim": like.keys[0].shape[-1],
-                "full": full,
-                "slot": like.token_bytes() - full,
-                "windows": [x.sliding_window for x in self.layers],
-                "reference": self.planner.reference_length(text_config(getattr(self._source, "config", self._source))),
-                "model": str(getattr(getattr(self._source, "config", None), "name_or_path", "")),
-                "budget": str(self.budget),
-            }
+            layout = self.planner.layout(self._source, like.keys[0].element_size(), self.budget)
             longest = int(rooms.sum(0).argmax())
             self.plan = self.planner.decide(self.curves, rooms[:, longest], fractions[longest], layout)
         shares = [

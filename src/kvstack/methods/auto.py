@@ -183,28 +183,37 @@ class Auto(Method):
         )
         return decided.at(n, fraction * float(n.sum()) * heads * full)
 
-    def plan_for(self, model: Any, budget: Budget, length: int) -> Plan:
-        """The plan for a context of `length` tokens on `model`: what the cache decides and keeps
-        at its first compression of such a context (sliding layers hold at most their window)."""
+    def layout(self, source: Any, itemsize: int, budget: Budget) -> dict[str, Any]:
+        """What `decide` needs of a model (or its config) whose cache holds `itemsize`-byte values:
+        heads, head_dim, full (a plain token's key and value bytes), slot, windows (per layer, None
+        for full attention), reference (the length decisions are solved at), model, budget."""
         from kvstack.cache.cache import text_config
         from kvstack.cache.layer import SLOT_DTYPE
 
-        config = text_config(model.config)
+        config = text_config(getattr(source, "config", source))
         n_layers, n_heads = config.num_hidden_layers, config.num_attention_heads
-        heads = getattr(config, "num_key_value_heads", None) or n_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_heads
         types = getattr(config, "layer_types", None) or ["full_attention"] * n_layers
-        windows = [config.sliding_window if t == "sliding_attention" else None for t in types]
-        n = torch.tensor([min(length, w - 1) if w else length for w in windows])
-        full = 2 * head_dim * model.dtype.itemsize
-        slot = torch.tensor([], dtype=SLOT_DTYPE).element_size()
+        return {
+            "heads": getattr(config, "num_key_value_heads", None) or n_heads,
+            "head_dim": head_dim,
+            "full": 2 * head_dim * itemsize,
+            "slot": torch.tensor([], dtype=SLOT_DTYPE).element_size(),
+            "windows": [config.sliding_window if t == "sliding_attention" else None for t in types],
+            "reference": self.reference_length(config),
+            "model": str(getattr(getattr(source, "config", None), "name_or_path", "")),
+            "budget": str(budget),
+        }
+
+    def plan_for(self, model: Any, budget: Budget, length: int) -> Plan:
+        """The plan for a context of `length` tokens on `model`: what the cache decides and keeps
+        at its first compression of such a context (sliding layers hold at most their window)."""
+        layout = self.layout(model, model.dtype.itemsize, budget)
+        n = torch.tensor([min(length, w - 1) if w else length for w in layout["windows"]])
         if budget.tokens is not None:
             raise UserError(f"auto plans bytes: give a fraction (0.25) or a size (64MB), not {budget}")
-        fraction = budget.resolve(float(n.sum()) * heads * full).fraction
+        fraction = budget.resolve(float(n.sum()) * layout["heads"] * layout["full"]).fraction
         assert fraction is not None
-        layout = {"heads": heads, "head_dim": head_dim, "full": full, "slot": slot, "windows": windows}
-        layout["reference"] = self.reference_length(config)
-        layout |= {"budget": str(budget), "model": str(getattr(model.config, "name_or_path", ""))}
         return self.decide(self.prepare(model), n, fraction, layout)
 
     def score(self, obs: Observation) -> torch.Tensor:
