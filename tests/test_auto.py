@@ -204,6 +204,7 @@ def test_a_budget_that_pays_for_everything_reproduces_the_full_cache(tiny, budge
     assert cache.nbytes() == cache.full_nbytes()
     planned = Stack.parse(TINY_AUTO).stages[0].plan_for(tiny, Budget.parse("1GB"), 120)
     assert planned.total_bytes == planned.full_bytes
+    assert {s for row in planned.storages for s in row} == {"16"}  # what the cache holds: nothing coded
 
 
 @pytest.mark.parametrize(("spec", "budget"), [(TINY_AUTO, 0.125), ("snapkv(window_size=4)", "24KB")])

@@ -294,6 +294,8 @@ def test_plan_prints_a_table_saves_it_and_generate_reuses_it(tiny_folder, tmp_pa
         (["--budget", "64XB"], "not understood"),
         (["--budget", "0.25", "--method", "snapkv"], "must be an auto spec"),
         (["--budget", "0.25", "--length", "lots"], "not understood"),
+        (["--budget", "0.25", "--length", "100000"], "exceeds the model's maximum of 2048 tokens"),
+        (["--budget", "0"], "out of range"),
     ],
 )
 def test_plan_bad_input_is_one_line(tiny_folder, args, message):

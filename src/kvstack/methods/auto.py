@@ -208,6 +208,13 @@ class Auto(Method):
     def plan_for(self, model: Any, budget: Budget, length: int) -> Plan:
         """The plan for a context of `length` tokens on `model`: what the cache decides and keeps
         at its first compression of such a context (sliding layers hold at most their window)."""
+        from kvstack.cache.cache import text_config
+
+        limit = getattr(text_config(model.config), "max_position_embeddings", None)
+        if limit and length > limit:
+            raise UserError(
+                f"length {length} exceeds the model's maximum of {limit} tokens: plan for a shorter context"
+            )
         layout = self.layout(model, model.dtype.itemsize, budget)
         n = torch.tensor([min(length, w - 1) if w else length for w in layout["windows"]])
         if budget.tokens is not None:

@@ -95,7 +95,8 @@ class Plan:
         if budget_bytes >= float(n.sum()) * heads * self.token_bytes:
             tokens = [[int(x)] * heads for x in n]
             held = [[float(x) * self.token_bytes] * heads for x in n]
-            return replace(self, length=int(n.max()), tokens=tokens, bytes=held, held=n.tolist())
+            plain = [["16"] * heads for _ in n]
+            return replace(self, length=int(n.max()), storages=plain, tokens=tokens, bytes=held, held=n.tolist())
         shares = self.shares_now(n, budget_bytes)
         tokens, held = [], []
         for i, row in enumerate(self.storages):
