@@ -62,3 +62,30 @@ def test_decoding_without_the_rereading_pass_is_a_one_line_error(llama):
         llama.generate(
             ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, past_key_values=cache, pad_token_id=0
         )
+
+
+def test_the_reread_scores_a_sliding_layers_tokens_past_its_window(monkeypatch):
+    # the queries repeating the last tokens a sliding layer holds sit a whole context later,
+    # outside its window: the reconstruction statistics see past it, attention itself does not
+    from kvstack.cache import statistics
+    from tiny import tiny_gemma3
+
+    model = tiny_gemma3()
+    seen: list[tuple[int, int, int | None]] = []
+    record = statistics.record
+
+    def spy(layer, needs, query, query_slots, padding, window, scale):
+        seen.append((layer.layer_idx, query.shape[2], window))
+        return record(layer, needs, query, query_slots, padding, window, scale)
+
+    monkeypatch.setattr(statistics, "record", spy)
+    model._kvstack_repeat_ids = ([5, 6, 7], [8])
+    cache = KVCache(model, "kvzip", 0.5)
+    _Runner(model, cache).forward(torch.randint(3, 90, (1, 60)), torch.ones(1, 60, dtype=torch.long))
+    reread = [(i, w) for i, q, w in seen if q == 63]  # "repeat" + the 60 tokens
+    assert {i for i, _ in reread} == set(range(6)) and all(w is None for _, w in reread)
+    seen.clear()
+    _Runner(model, KVCache(model, "h2o", 0.5)).forward(
+        torch.randint(3, 90, (1, 60)), torch.ones(1, 60, dtype=torch.long)
+    )
+    assert [w for _, _, w in seen] == [16, 16, 16, 16, 16, None]  # other statistics keep the window

@@ -294,6 +294,7 @@ def _reread(runner: _Runner, rows: list[list[int]], pad_id: int = 0) -> float:
     for c in range(max(len(ch) for ch in chunks)):
         fork = runner.fork(Stack.parse("full"), Budget.parse(1.0))
         fork.cache.extra_needs = frozenset({"max_attention"})
+        fork.cache.windowless_statistics = True  # a sliding layer's tokens are scored by the queries repeating them
         fork.forward(*_left_pad([ch[c] if c < len(ch) else [] for ch in chunks], pad_id))
         for i, layer in enumerate(fork.cache.layers):
             for h, most in enumerate(layer.stats["max_attention"]):

@@ -84,7 +84,7 @@ class KVCache(Cache):
             if table is not None:
                 self.calibration[allocator.kind] = table
         self.planner = next((s for s in self.stack.selection if s.family == "auto"), None)  # `auto`
-        self.curves = self.planner.prepare(model_or_config) if self.planner is not None else None
+        self.measured: Any = self.planner.prepare(model_or_config) if self.planner is not None else None
         self.plan: Any = None  # what `auto` decided (kvstack.planning.plan.Plan), at the first compression
         self._shares: tuple[int, torch.Tensor] | None = None  # (seen, (b, L, h) byte shares) memo
         self._budgets: tuple[int, list[Budget]] | None = None  # (seen, each sequence's budget) memo
@@ -102,6 +102,9 @@ class KVCache(Cache):
             self._check_alone(quantizer, head_dim, model_or_config)
         # recorded beyond what the stack needs, so that `fork` can serve other stacks
         self.extra_needs, self.extra_window = frozenset(observe), query_window
+        # statistics see past a sliding window: KVzip's reconstruction scores the tokens a sliding
+        # layer holds by the queries that repeat them, which its window would hide (generate._reread)
+        self.windowless_statistics = False
         self._source = model_or_config
         self.compress_clock = Stopwatch()  # statistics + scoring + gathering, prefill and decode
         self.compressions = 0
@@ -215,7 +218,8 @@ class KVCache(Cache):
         layer.observe_queries(query.detach(), query_slots, self.query_window)
         needs = self.needs & statistics.STATISTICS
         if needs:
-            statistics.record(layer, needs, query, query_slots, padding, window, scale)
+            seen = None if self.windowless_statistics else window
+            statistics.record(layer, needs, query, query_slots, padding, seen, scale)
         self.compress_clock.stop(started)
         self.maintain(layer, decoding=query.shape[2] == 1)
 
@@ -412,7 +416,7 @@ class KVCache(Cache):
         if self.plan is None:
             layout = self.planner.layout(self._source, like.keys[0].element_size(), self.budget)
             longest = int(rooms.sum(0).argmax())
-            self.plan = self.planner.decide(self.curves, rooms[:, longest], fractions[longest], layout)
+            self.plan = self.planner.decide(self.measured, rooms[:, longest], fractions[longest], layout)
         shares = [
             self.plan.shares_now(n, f * float(n.sum()) * heads * full) if f < 1.0 else torch.ones(len(n), heads)
             for n, f in zip(rooms.T, fractions, strict=True)

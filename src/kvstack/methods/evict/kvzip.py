@@ -25,7 +25,11 @@ class KVzip(Method):
     Deviations from the reference (snu-mllab/KVzip attention/score.py): each chunk attends to the
     whole prompt rather than only its slice, and the per-head top-k is uniform unless an
     allocator is stacked (the paper's default prunes with one threshold over all heads:
-    `adakv(kvzip)` shares a layer's budget the same way within the layer). Decoding tokens have
+    `adakv(kvzip)` shares a layer's budget the same way within the layer). The reference leaves
+    sliding-window layers (Gemma 3) whole; here they are compressed like the others, and their
+    tokens are scored by the queries that repeat them, past the window that would hide those
+    queries from them (through the window only the first few hundred repeated tokens, the start
+    of the context, would score the end it holds). Decoding tokens have
     no reconstruction score: past `decode_window` they are the first to go, as when kvpress
     compresses once and stops.
 
