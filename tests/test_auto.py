@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -15,9 +16,10 @@ from kvstack.planning.curves import FRACTIONS, head_errors
 from kvstack.planning.options import Storage, held_bytes
 from kvstack.planning.plan import Plan, decide, rescale
 from kvstack.planning.solve import SHARES, interpolate, solve
+from kvstack.planning.validate import GRID, candidates, nearest, ranking, scored_positions
 from kvstack.stack import Stack
 
-TINY_AUTO = "auto(tokens=256, samples=1)"
+TINY_AUTO = "auto(tokens=256, samples=1, validate=1)"
 
 
 # ---- byte budgets ------------------------------------------------------------------------
@@ -240,18 +242,110 @@ def test_sliding_layers_are_planned_over_their_window():
 
 
 # ---- calibration and errors --------------------------------------------------------------
-def test_curves_are_measured_once_and_saved(llama, tmp_path, monkeypatch):
+def test_curves_and_validation_are_measured_once_and_saved(llama, tmp_path, monkeypatch):
     from kvstack.calibrate import store
 
     monkeypatch.setenv("KVSTACK_CALIBRATION", str(tmp_path))
     store.forget()
-    stage = Stack.parse("auto(tokens=128, samples=1, scorers=('snapkv',))").stages[0]
-    curves = stage.prepare(llama)
+    stage = Stack.parse("auto(tokens=128, samples=1, validate=1, scorers=('snapkv',), bits=('16', '4'))").stages[0]
+    measured = stage.prepare(llama)
+    curves, losses = measured.curves, measured.losses
     assert curves.shape == (1, 4, 2, len(stage.storages), len(FRACTIONS))
-    assert [p.name for p in tmp_path.iterdir()] == [f"{store.model_key(llama)}-{stage.kind}.pt"]
+    assert losses.shape == (len(GRID), len(stage.choices), 4, 2)  # per probe: KL, top-1 agreement
+    assert len(list(tmp_path.iterdir())) == 2  # the curves and the validation, apart
     assert torch.all(curves[..., 0, 0] == 0)  # everything kept in full precision: no distortion
+    assert torch.isinf(losses[-1, ..., 0]).all()  # 1/64 of 128 tokens is under `least`: every candidate refused
+    assert torch.isfinite(losses[0]).all() and bool((losses[0, ..., 0] > 0).all())
+    assert bool(((losses[0, ..., 1] >= 0) & (losses[0, ..., 1] <= 1)).all())
     store.forget()
-    assert torch.equal(stage.prepare(llama), curves)  # read back from disk
+    again = stage.prepare(llama)  # read back from disk
+    assert torch.equal(again.curves, curves) and torch.equal(again.losses, losses)
+
+
+def test_candidates_are_every_scorer_subset_then_every_uniform_stack():
+    found = candidates(("kvzip", "snapkv"), ("16", "4+r0"), 0.8)
+    assert [str(c) for c in found] == [
+        "rate-distortion over kvzip",
+        "rate-distortion over snapkv",
+        "kvzip at 16 in every head",
+        "kvzip at 4+r0 in every head",
+        "snapkv at 16 in every head",
+        "snapkv at 4+r0 in every head",
+    ]
+    assert [c.uniform for c in found] == [0.8] * 2 + [1.0] * 4
+    mixed = candidates(("kvzip", "snapkv"), ("16", "4+r0"), 0.8, mix=True)
+    assert [str(c) for c in mixed[:3]] == [
+        "rate-distortion over kvzip+snapkv",  # each layer its own scorer
+        "rate-distortion over kvzip",
+        "rate-distortion over snapkv",
+    ]
+
+
+@pytest.mark.parametrize(("fraction", "grid"), [(0.7, 0.5), (0.3, 0.25), (0.09, 0.125), (0.08, 0.0625), (1e-3, 1 / 64)])
+def test_a_budget_is_validated_at_the_nearest_grid_point_in_log_scale(fraction, grid):
+    assert GRID[nearest(fraction, GRID)] == grid
+
+
+def test_candidates_rank_by_kl_then_agreement_and_refused_ones_last():
+    table = torch.tensor(  # (C=4, P=2, (KL, agreement))
+        [
+            [[0.1, 0.4], [0.3, 0.6]],  # KL 0.2
+            [[0.6, 0.8], [0.4, 0.8]],  # KL 0.5
+            [[0.2, 0.7], [0.2, 0.9]],  # KL 0.2, agreement 0.8: ahead of the first
+            [[math.inf, 1.0], [math.inf, 1.0]],  # refused
+        ],
+        dtype=torch.float64,
+    )
+    assert ranking(table).tolist() == [2, 0, 1, 3]
+
+
+def test_validation_scores_the_span_a_recall_probe_predicts():
+    # a continuation of 5 ids scores its 4 next-token predictions; a recall probe of 7 ids
+    # ending in a span of 3 scores the predictions of those 3 (positions 8, 9, 10 of 12)
+    positions = scored_positions([torch.zeros(5), torch.zeros(7)], needle=3)
+    assert [p.tolist() for p in positions] == [[0, 1, 2, 3], [8, 9, 10]]
+
+
+def test_a_candidate_that_keeps_the_full_cache_moves_nothing(llama, monkeypatch):
+    from kvstack.planning import validate
+
+    stage = Stack.parse("auto(tokens=128, samples=1, validate=1, scorers=('snapkv',), bits=('16', '4'))").stages[0]
+    curves = stage.prepare(llama).curves
+    monkeypatch.setattr(validate, "GRID", (1.0,))
+    layout = stage.layout(llama, llama.dtype.itemsize, Budget.parse(1.0))
+
+    def stack_of(fraction, choice):
+        return Stack((type(stage).executing(stage.solve(curves, choice, fraction, layout)),))
+
+    out = validate.losses(llama, stack_of, stage.choices, 1, 1, 128, stage.needs, stage.query_window)
+    assert out.shape == (1, len(stage.choices), 4, 2)
+    assert bool((out[..., 0] == 0).all()) and bool((out[..., 1] == 1).all())  # no KL, every top-1 agrees
+
+
+def test_auto_executes_the_candidate_validated_best_at_the_nearest_budget(llama):
+    from kvstack.methods.auto import Calibration
+
+    stage = Stack.parse("auto(tokens=128, samples=1, validate=1, bits=('16', '4'))").stages[0]
+    curves = stage.prepare(llama).curves
+    uniform = next(i for i, c in enumerate(stage.choices) if str(c) == "snapkv at 4+r32 in every head")
+    losses = torch.ones(len(GRID), len(stage.choices), 4, 2, dtype=torch.float64)  # KL 1
+    losses[..., 1] = 0.5  # top-1 agreement 0.5
+    losses[GRID.index(0.125), uniform] = torch.tensor([0.5, 0.9])  # the uniform stack wins at 1/8 only
+    losses[GRID.index(0.125), 0, :, 0] = math.inf  # a refused candidate is never chosen
+    losses[GRID.index(0.125), 0, :, 1] = 1.0
+    losses[-1, :, :, 0] = math.inf  # nothing fits 1/64: 1/32 is validated instead
+    layout = stage.layout(llama, llama.dtype.itemsize, Budget.parse(0.1))
+    n = torch.full((4,), 128)
+    plan = stage.decide(Calibration(curves, losses), n, 0.1, layout)
+    assert plan.scorers == ["snapkv"] * 4
+    assert {s for row in plan.storages for s in row} == {"4+r32"}
+    assert plan.chosen.startswith("snapkv at 4+r32 in every head: KL 0.500, top-1 agreement 0.900")
+    best = "best plan: rate-distortion over snapkv, KL 1.000, top-1 agreement 0.500"  # kvzip's was refused
+    assert best in plan.chosen
+    at_quarter = stage.decide(Calibration(curves, losses), n, 0.25, layout)
+    assert at_quarter.chosen.startswith("rate-distortion over kvzip:")  # ties: the first candidate
+    tiny_budget = stage.decide(Calibration(curves, losses), torch.full((4,), 2048), 0.01, layout)
+    assert "at 0.03125 of the full bytes" in tiny_budget.chosen
 
 
 @pytest.mark.parametrize(
@@ -290,7 +384,7 @@ def test_a_quantizer_alone_cannot_hold_a_byte_budget(llama):
 
 
 def test_a_saved_plan_keeps_its_own_fewest_tokens(llama, tmp_path):
-    cache, _ = _prefill(llama, "auto(tokens=256, samples=1, least=2)", 0.25)
+    cache, _ = _prefill(llama, "auto(tokens=256, samples=1, least=2, validate=1)", 0.25)
     cache.plan.save(tmp_path / "p.json")
     assert Stack.parse(f"plan:{tmp_path / 'p.json'}").stages[0].min_tokens == 2
 

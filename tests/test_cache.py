@@ -23,7 +23,8 @@ SHORT = {
     "graphkv": "graphkv(snapkv(window_size=4, every=4), sources=8)",
     "kvcrush": "kvcrush(snapkv(window_size=4, every=4))",
     "scope": "scope(snapkv(window_size=4))",
-    "auto": "auto(tokens=256, samples=1, least=2)",  # 8 tokens per head overflow tiny Gemma's 15-token windows
+    # 8 tokens per head overflow tiny Gemma's 15-token windows: least=2
+    "auto": "auto(tokens=256, samples=1, least=2, validate=1)",
 }
 SPECS = {m: m for m in ["full", *METHODS]} | SHORT
 # allocators wrap the short snapkv unless given their own short spec

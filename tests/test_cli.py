@@ -243,11 +243,12 @@ def test_report_of_an_empty_folder(tmp_path):
 
 
 def test_plan_prints_a_table_saves_it_and_generate_reuses_it(tiny_folder, tmp_path):
-    spec = "auto(tokens=256, samples=1)"
+    spec = "auto(tokens=256, samples=1, validate=1)"
     saved = tmp_path / "plan.json"
     code, out, err = run("plan", "--model", str(tiny_folder), "--budget", "0.25", "--length", "400", "--method", spec)
     assert code == 0, err
     assert "scorer" in out and "bits" in out and "0.25" in out and "400 tokens" in out  # (the title may wrap)
+    assert "chosen:" in out and "on held-out probes" in " ".join(out.split())  # what the validation chose
     code, out, err = run(
         "plan",
         "--model",

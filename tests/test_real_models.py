@@ -178,7 +178,7 @@ def test_auto_plans_bytes_the_real_cache_then_holds(name):
     from kvstack.stack import Stack
 
     lm = kvstack.load(name)
-    spec = "auto(samples=1, tokens=1024)"  # a shorter calibration than the default, for CI
+    spec = "auto(samples=1, tokens=1024, validate=1)"  # a shorter calibration than the default, for CI
     ids = calibration_ids(lm.model, 1, 2048)[0][None]
     for budget in ("0.0625", "1MB"):
         planned = Stack.parse(spec).stages[0].plan_for(lm.model, Budget.parse(budget), 2048)
@@ -188,8 +188,9 @@ def test_auto_plans_bytes_the_real_cache_then_holds(name):
         assert cache.nbytes() == planned.total_bytes
         assert cache.full_nbytes() == planned.full_bytes
         limit = 0.0625 * cache.full_nbytes() if budget == "0.0625" else 2**20
-        # below the limit by the decoding reserve: each coded head keeps room for 31 tokens in bf16
-        assert 0.6 * limit < cache.nbytes() <= limit
+        # below the limit by the decoding reserve: each coded head keeps room for 31 tokens in bf16,
+        # most of a 511-token sliding layer's share at 0.0625 (Gemma's uniform 2-bit SnapKV holds 0.59)
+        assert 0.5 * limit < cache.nbytes() <= limit
     sliding = [i for i, t in enumerate(getattr(lm.model.config, "layer_types", None) or []) if t == "sliding_attention"]
     if name.startswith("gemma"):
         assert sliding and all(cache.plan.held[i] == 511 for i in sliding)

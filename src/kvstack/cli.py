@@ -175,6 +175,8 @@ def plan(
 
     types = getattr(text_config(lm.model.config), "layer_types", None) or []
     out.print(_plan_table(result, model, types))
+    if result.chosen:
+        out.print(f"chosen: {result.chosen}", highlight=False)
     if save is not None:
         result.save(save)
         out.print(f"saved {save}: reuse it with --method plan:{save} --budget {budget}", highlight=False)

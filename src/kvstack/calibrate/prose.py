@@ -6,19 +6,24 @@ from typing import Any
 
 import torch
 
+from kvstack.errors import UserError
 
-def calibration_ids(model: Any, samples: int, tokens: int) -> list[torch.Tensor]:
+
+def calibration_ids(model: Any, samples: int, tokens: int, skip: int = 0) -> list[torch.Tensor]:
     """`samples` rows of `tokens` ids: State of the Union prose in the model's tokens, or random
-    ids when the model has no tokenizer attached (tiny test models)."""
+    ids when the model has no tokenizer attached (tiny test models); `skip` rows are passed over
+    first (held-out rows: what one calibration measured, another can check on other text)."""
     encode = getattr(model, "_kvstack_encode", None)
     if encode is None:
         gen = torch.Generator().manual_seed(0)
         vocab = model.config.get_text_config().vocab_size
-        return [torch.randint(0, vocab, (tokens,), generator=gen) for _ in range(samples)]
+        return [torch.randint(0, vocab, (tokens,), generator=gen) for _ in range(skip + samples)][skip:]
     from kvstack.bench.data import state_of_the_union
 
     texts = state_of_the_union()
-    picked = texts[-samples:]  # the most recent addresses
+    if skip + samples > len(texts):
+        raise UserError(f"calibration asks for {skip + samples} texts, there are {len(texts)}: use fewer samples")
+    picked = texts[len(texts) - skip - samples : len(texts) - skip]  # the most recent addresses
     return [torch.tensor(encode(text)[:tokens]) for text in picked]
 
 

@@ -1,22 +1,26 @@
-"""`auto`: one byte budget, the stack chosen per layer and head by rate-distortion allocation.
+"""`auto`: one byte budget, the stack chosen per layer and head by rate-distortion allocation,
+then checked end to end.
 
 Per KV head how many tokens to keep and at what precision (plain, or keys/values at 8, 4, 2 or
-1 bits after a residual window), and per layer which scorer picks the tokens, chosen by a
-Lagrangian over distortion curves measured once per model on prose with recall probes
-(`kvstack.planning`). Every head keeps at least `uniform` (0.8) of a uniform split: measured on
-SmolLM2 at 2k, a free allocation (`uniform=0`) lost multi-key needles the uniform one kept. The
-default candidate scorer is KVzip alone: with `scorers=('kvzip', 'snapkv')` the curves pick
-SnapKV for a third of the layers and every needle is lost in query-agnostic use (the distortion
-of the probes does not see it). Rank is not planned: low-rank storage lost to eviction plus
-quantization at equal bytes on the models measured (docs/measurements). The plan is decided at
-the first compression; `auto(plan='p.json')`, written `plan:p.json`, executes a plan saved by
-`kvstack plan --save`.
+1 bits after a residual window), by a Lagrangian over distortion curves measured once per
+model on prose with recall probes (`kvstack.planning`); every head keeps at least `uniform`
+(0.8) of a uniform split (measured on SmolLM2 at 2k, a free allocation lost multi-key needles
+the uniform one kept). The curves judge heads one by one, so the decision is validated: the
+plan with each scorer and every uniform stack (one scorer, one storage) are executed on
+held-out prose at budgets of 1/2 to 1/64, and the one that moved the model's predictions least
+at the nearest budget is executed (`kvstack.planning.validate`). On Gemma 3 that is uniform
+SnapKV: KVzip's plan kept the continuation and the recalls worse there. One plan does not mix
+scorers across layers unless `mix=True`: measured on SmolLM2 and Qwen2.5-Coder, plans with
+SnapKV in some layers won the validation and lost every needle in query-agnostic use. Rank is
+not planned: low-rank storage lost to eviction plus quantization at equal bytes on the models
+measured (docs/measurements). The plan is decided at the first compression;
+`auto(plan='p.json')`, written `plan:p.json`, executes a plan saved by `kvstack plan --save`.
 """
 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any
 
@@ -26,9 +30,12 @@ from kvstack.cache.budget import Budget
 from kvstack.errors import UserError
 from kvstack.methods.base import Method, Observation
 from kvstack.methods.registry import method_class, register
+from kvstack.planning import validate as validation
 from kvstack.planning.curves import FRACTIONS
 from kvstack.planning.options import Storage
 from kvstack.planning.plan import Plan
+from kvstack.planning.validate import Candidate, candidates, losses, nearest, ranking
+from kvstack.stack import Stack
 
 
 @register
@@ -37,18 +44,22 @@ class Auto(Method):
     """Candidates: `scorers` (eviction methods), `bits` (16 = plain, `4/2` = keys 4, values 2),
     each coded width with every window in `residuals`; `least` tokens per head at the fewest, and
     `uniform` of a uniform split of the budget (the distortion curves then move the rest).
-    Calibration: `samples` rows of `tokens` tokens of State of the Union prose."""
+    Calibration: `samples` rows of `tokens` tokens of State of the Union prose for the curves,
+    `validate` other rows to choose among candidates (0: the first candidate, unchecked); `mix`
+    lets one plan take a scorer per layer."""
 
     name = "auto"
     family = "auto"
     paper = "kvstack: rate-distortion allocation of one byte budget over its own stages"
-    scorers: tuple[str, ...] = ("kvzip",)
+    scorers: tuple[str, ...] = ("kvzip", "snapkv")
     bits: tuple[str, ...] = ("16", "8", "4", "4/2", "2", "2/1")
     residuals: tuple[int, ...] = (0, 32)
     least: int = 8
     uniform: float = 0.8
     samples: int = 2
     tokens: int = 2048
+    validate: int = 2
+    mix: bool = False
     plan: str = ""
     every: int = field(default=16, kw_only=True)
 
@@ -56,8 +67,8 @@ class Auto(Method):
         super().__post_init__()
         self.scorers, self.bits = tuple(self.scorers), tuple(str(b) for b in self.bits)
         self.residuals = tuple(self.residuals)
-        if self.least < 1 or self.samples < 1 or self.tokens < 64:
-            raise ValueError("auto: least >= 1, samples >= 1 and tokens >= 64 (calibration rows)")
+        if self.least < 1 or self.samples < 1 or self.tokens < 64 or self.validate < 0:
+            raise ValueError("auto: least >= 1, samples >= 1, validate >= 0 and tokens >= 64 (calibration rows)")
         if not 0.0 <= self.uniform <= 1.0:
             raise ValueError(
                 f"auto: uniform must be in [0, 1] (each head's least part of a uniform split), got {self.uniform}"
@@ -92,6 +103,22 @@ class Auto(Method):
         return out
 
     @cached_property
+    def choices(self) -> list[Candidate]:
+        """The candidate decisions validated end to end (`kvstack.planning.validate`); without
+        validation, only the first: the rate-distortion plan (over every scorer with `mix`, else
+        the first scorer's)."""
+        found = candidates(self.scorers, tuple(str(s) for s in self.storages), self.uniform, self.mix)
+        return found if self.validate else found[:1]
+
+    @classmethod
+    def executing(cls, plan: Plan) -> Auto:
+        """A stage executing `plan`, held in memory (validation runs candidates without files)."""
+        stage = cls()
+        stage.__dict__["saved"] = plan
+        stage.__dict__.pop("methods", None)
+        return stage
+
+    @cached_property
     def methods(self) -> dict[str, Method]:
         """The scorers by name, each with its defaults."""
         return {name: method_class(name)() for name in self.candidates}  # type: ignore[misc]
@@ -112,10 +139,11 @@ class Auto(Method):
     def kind(self) -> str:
         """Name of the saved distortion curves: changes with anything they depend on."""
         what = f"{self.scorers}|{[str(s) for s in self.storages]}|{self.samples}x{self.tokens}|{self.least}"
-        return f"auto-{hashlib.sha1(what.encode()).hexdigest()[:10]}-v3"
+        return f"auto-{_digest(what)}-v4"
 
-    def prepare(self, model: Any) -> torch.Tensor | None:
-        """The distortion curves (S, L, H, Q, F) of `model`, measured once and saved; None with a plan file."""
+    def prepare(self, model: Any) -> Calibration | None:
+        """The distortion curves of `model` and its candidates' validation, measured once and
+        saved; None with a plan file."""
         if self.saved is not None:
             return None
         if not hasattr(model, "config"):
@@ -133,7 +161,23 @@ class Auto(Method):
                 methods = list(self.methods.values())
                 return measure(m, methods, self.storages, self.samples, tokens, self.least, ticker=ticker)
 
-        return calibrated(model, self.kind, run)
+        curves = calibrated(model, self.kind, run)
+        if not self.validate:
+            return Calibration(curves, None)
+
+        def check(m: Any) -> torch.Tensor:
+            def stack_of(fraction: float, choice: Candidate) -> Stack:
+                return Stack((Auto.executing(self.solve(curves, choice, fraction, layout)),))
+
+            rows, total = self.validate, self.validate * (1 + len(validation.GRID) * len(self.choices))
+            with Ticker("auto: validating candidate stacks", total, after=0.0) as ticker:
+                return losses(
+                    m, stack_of, self.choices, rows, self.samples, tokens, self.needs, self.query_window, ticker
+                )
+
+        layout = self.layout(model, model.dtype.itemsize, Budget.parse(1.0))
+        what = f"{self.kind}|{[str(c) for c in self.choices]}|{self.uniform}|{self.validate}|{validation.GRID}|{layout}"
+        return Calibration(curves, calibrated(model, f"auto-valid-{_digest(what)}-v2", check))
 
     def reference_length(self, config: Any) -> int:
         """Tokens per calibration row, and the length the plan is solved at: `tokens`, or less when
@@ -141,16 +185,16 @@ class Auto(Method):
         limit = getattr(config, "max_position_embeddings", None) or self.tokens + 256
         return max(64, min(self.tokens, limit - 256))
 
-    def decide(self, curves: torch.Tensor | None, n: torch.Tensor, fraction: float, layout: dict[str, Any]) -> Plan:
-        """The plan executed for heads holding n (L,) tokens under `fraction` of the full bytes,
-        decided at the reference length (the calibration's, each sliding layer capped by its
-        window) or read from the plan file. layout: heads, head_dim, full (bytes of a plain
-        token's key and value), slot, windows (per layer, None for full attention), model, budget."""
-        from kvstack.planning.plan import check_fits, decide
+    def decide(self, calibration: Calibration | None, n: torch.Tensor, fraction: float, layout: dict[str, Any]) -> Plan:
+        """The plan executed for heads holding n (L,) tokens under `fraction` of the full bytes:
+        the validated candidate's decision at the reference length (the calibration's, each
+        sliding layer capped by its window), or the plan file's. layout: see `layout`."""
+        from kvstack.planning.plan import check_fits
 
         heads, full = layout["heads"], layout["full"]
-        least = self.min_tokens
-        check_fits(n, heads, full + layout["slot"], least, fraction * float(n.sum()) * heads * full, layout["budget"])
+        check_fits(
+            n, heads, full + layout["slot"], self.min_tokens, fraction * float(n.sum()) * heads * full, layout["budget"]
+        )
         if self.saved is not None:
             saved = (len(self.saved.scorers), len(self.saved.storages[0]), self.saved.head_dim, self.saved.token_bytes)
             if saved != (len(n), heads, layout["head_dim"], full):
@@ -160,28 +204,67 @@ class Auto(Method):
                     f"{full}: plan for it with `kvstack plan`"
                 )
             return self.saved.at(n, fraction * float(n.sum()) * heads * full)
-        assert curves is not None
-        if tuple(curves.shape[1:3]) != (len(n), heads):
+        assert calibration is not None
+        if tuple(calibration.curves.shape[1:3]) != (len(n), heads):
             raise UserError("auto's curves were measured on another model: build the KVCache from the model it serves")
+        choice, why = self.choose(calibration, fraction)
+        decided = replace(self.solve(calibration.curves, choice, fraction, layout), chosen=why)
+        return decided.at(n, fraction * float(n.sum()) * heads * full)
+
+    def choose(self, calibration: Calibration, fraction: float) -> tuple[Candidate, str]:
+        """The candidate executed at `fraction`: the one validated best at the nearest budget of
+        the grid where any candidate fits, and why, in words (the first candidate when nothing
+        was validated)."""
+        first = self.choices[0]
+        if calibration.losses is None:
+            return first, f"{first} (not validated)"
+        if fraction >= 1.0:
+            return first, "the full cache (the budget pays for it)"
+        table, grid = calibration.losses, validation.GRID
+        fits = [g for g in range(len(grid)) if bool(torch.isfinite(table[g, :, :, 0]).all(-1).any())]
+        if not fits:
+            return first, f"{first} (no candidate fits the validated budgets)"
+        g = fits[nearest(fraction, tuple(grid[i] for i in fits))]
+        order = [int(c) for c in ranking(table[g]) if bool(torch.isfinite(table[g, c, :, 0]).all())]
+        best = order[0]
+
+        def said(c: int) -> str:
+            agree, kl = float(table[g, c, :, 1].mean()), float(table[g, c, :, 0].mean())
+            return f"KL {kl:.3f}, top-1 agreement {agree:.3f}"
+
+        why = f"{self.choices[best]}: {said(best)} on held-out probes at {grid[g]:g} of the full bytes"
+        runner = next((c for c in order[1:] if self.choices[c].is_uniform != self.choices[best].is_uniform), None)
+        if runner is not None:
+            kind = "uniform stack" if self.choices[runner].is_uniform else "plan"
+            why += f"; best {kind}: {self.choices[runner]}, {said(runner)}"
+        return self.choices[best], why
+
+    def solve(self, curves: torch.Tensor, choice: Candidate, fraction: float, layout: dict[str, Any]) -> Plan:
+        """`choice`'s decision under `fraction` of the full bytes at the reference length, from
+        the curves (S, L, H, Q, F) of its scorers and storages."""
+        from kvstack.planning.plan import decide
+
         length = layout["reference"]
         reference = torch.tensor([min(length, w - 1) if w else length for w in layout["windows"]])
-        decided = decide(
-            curves,
+        names = [str(s) for s in self.storages]
+        scorers = torch.tensor([self.scorers.index(s) for s in choice.scorers])
+        storages = torch.tensor([names.index(q) for q in choice.storages])
+        return decide(
+            curves.index_select(0, scorers).index_select(3, storages),
             torch.tensor(FRACTIONS),
-            list(self.scorers),
-            self.storages,
+            list(choice.scorers),
+            [self.storages[int(q)] for q in storages],
             reference,
             layout["head_dim"],
-            full,
+            layout["full"],
             layout["slot"],
-            fraction * float(reference.sum()) * heads * full,
+            fraction * float(reference.sum()) * layout["heads"] * layout["full"],
             self.least,
             model=layout.get("model", ""),
             budget=layout.get("budget", ""),
-            check=False,  # checked at n above; the reference length may be shorter than the context
-            uniform=self.uniform,
+            check=False,  # checked at n by `decide`; the reference length may be shorter than the context
+            uniform=choice.uniform,
         )
-        return decided.at(n, fraction * float(n.sum()) * heads * full)
 
     def layout(self, source: Any, itemsize: int, budget: Budget) -> dict[str, Any]:
         """What `decide` needs of a model (or its config) whose cache holds `itemsize`-byte values:
@@ -225,3 +308,17 @@ class Auto(Method):
 
     def score(self, obs: Observation) -> torch.Tensor:
         raise RuntimeError("auto scores through the cache's plan (KVCache.scores)")
+
+
+@dataclass
+class Calibration:
+    """What `auto` measures once per model: curves (S, L, H, Q, F), the distortion of every head
+    per scorer, storage and kept fraction; losses (G, C, P, 2), each candidate's validation per
+    budget of the grid and probe: KL and top-1 agreement (None when not validated)."""
+
+    curves: torch.Tensor
+    losses: torch.Tensor | None
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha1(text.encode()).hexdigest()[:10]

@@ -76,6 +76,21 @@ def head_errors(
     return out
 
 
+def probe_set(
+    row: torch.Tensor, tokens: int, part: list[int], generator: torch.Generator
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """(context (tokens,), probes): the row's first `tokens` ids with three random spans of
+    `NEEDLE` of its ids written at a quarter, half and three quarters; probes: the row's own
+    continuation, then per span `part` ("repeat the part ... starting with") + the `LEAD` ids
+    before it + the span. The last `NEEDLE` ids of a recall probe are what retrieval predicts."""
+    context = row[:tokens].clone()
+    probes = [row[tokens:]]
+    for at in (tokens // 4, tokens // 2, 3 * tokens // 4):
+        context[at : at + NEEDLE] = row[torch.randint(0, tokens, (NEEDLE,), generator=generator)]
+        probes.append(torch.tensor([*part, *context[at - LEAD : at + NEEDLE].tolist()]))
+    return context, probes
+
+
 def measure(
     model: Any,
     scorers: list[Method],
@@ -98,11 +113,7 @@ def measure(
     total: torch.Tensor | None = None
     generator = torch.Generator().manual_seed(0)
     for row in calibration_ids(model, samples, tokens + probe):
-        context, follow = row[:tokens].clone(), row[tokens : tokens + probe]
-        probes = [follow]
-        for at in (tokens // 4, tokens // 2, 3 * tokens // 4):
-            context[at : at + NEEDLE] = row[torch.randint(0, tokens, (NEEDLE,), generator=generator)]
-            probes.append(torch.tensor([*part, *context[at - LEAD : at + NEEDLE].tolist()]))
+        context, probes = probe_set(row, tokens, list(part), generator)
         cache = KVCache(model, "full", 1.0, observe=needs, query_window=window)
         runner = _Runner(model, cache)
         runner.forward(context[None], torch.ones(1, tokens, dtype=torch.long))

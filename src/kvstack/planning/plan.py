@@ -48,6 +48,7 @@ class Plan:
     head_dim: int
     least: int
     uniform: float = 0.0
+    chosen: str = ""  # which candidate decision this is, and why (kvstack.planning.validate)
 
     @property
     def full_bytes(self) -> int:
@@ -102,7 +103,10 @@ class Plan:
         for i, row in enumerate(self.storages):
             storages = [Storage.from_text(text) for text in row]
             costs = [cost(st, self.head_dim, self.token_bytes, self.slot) for st in storages]
-            kept = [keep_tokens(float(shares[i, h]), int(n[i]), c, self.least) for h, c in enumerate(costs)]
+            if float(shares[i].min()) >= 1.0:  # a layer whose every head may hold all it has is left whole
+                kept = [int(n[i])] * heads
+            else:
+                kept = [keep_tokens(float(shares[i, h]), int(n[i]), c, self.least) for h, c in enumerate(costs)]
             slot = self.slot if any(k < int(n[i]) for k in kept) else 0  # a layer keeping everything has no slots
             tokens.append(kept)
             held.append(
