@@ -181,6 +181,40 @@ def test_a_killed_sweep_completes_on_rerun_without_recomputing(tiny_folder, tmp_
     assert all(after[k] == created for k, created in before.items())  # finished rows were not recomputed
 
 
+def test_killing_a_parallel_sweep_stops_its_jobs(tiny_folder, tmp_path):
+    """SIGKILL reaches only the parent: its jobs notice and stop writing rows (they used to run on)."""
+    import os
+    import signal
+    import sqlite3
+    import subprocess
+    import sys
+    import time
+
+    db = tmp_path / "results.sqlite"
+    args = [sys.executable, "-m", "kvstack.cli", "bench", "--model", str(tiny_folder), "--out", str(tmp_path)]
+    args += ["--methods", "knorm,streaming", "--budgets", "0.5", "--tasks", "niah_single,vt", "--lengths", "400"]
+    args += ["--modes", "aware", "--samples", "40", "--jobs", "2"]
+
+    def count() -> int:
+        try:
+            with sqlite3.connect(db, timeout=30) as con:
+                return int(con.execute("SELECT count(*) FROM results").fetchone()[0])
+        except sqlite3.OperationalError:  # the sweep has not created its table yet
+            return 0
+
+    env = {**os.environ, "OMP_NUM_THREADS": "2"}  # two jobs need two cores
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    deadline = time.time() + 180
+    while count() < 10 and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    time.sleep(3)  # a job may finish the row it was writing
+    stopped = count()
+    time.sleep(4)
+    assert 10 <= stopped < 3 * 2 * 40 and count() == stopped
+
+
 def test_demo_runs_a_small_bench_and_points_to_the_report(tiny_folder, tmp_path):
     code, out, err = run(
         "demo", "--model", str(tiny_folder), "--samples", "1", "--length", "1k", "--out", str(tmp_path)

@@ -85,10 +85,29 @@ def run_parallel(lm: LoadedModel, sweep: Sweep, path: Path, console: Console, jo
     return failed, written
 
 
+def _exit_with_parent() -> None:
+    """End this job when the sweep that spawned it ends, even killed (SIGTERM, SIGKILL): an
+    orphaned job would go on writing rows into a folder the user thinks is idle."""
+    import multiprocessing as mp
+    import os
+    import threading
+
+    parent = mp.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        parent.join()  # returns once the parent process is gone
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
 def _worker(model: str, sweep: Sweep, path: str, threads: int, todo: Any, events: Any) -> None:
     """One job: load the model with `threads` cores, run units until the queue says stop."""
     import os
 
+    _exit_with_parent()
     os.environ["OMP_NUM_THREADS"] = str(threads)  # for the rival's worker process too
     import torch
 
