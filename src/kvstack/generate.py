@@ -251,15 +251,23 @@ def fidelity_forks(
         except UserError as err:
             yield {"refused": str(err)}
             continue
+        kl, agree = divergence(ref_logp, logp)
         yield {
             "ppl": float(torch.exp(-logp.gather(-1, targets[:, None]).mean())),
-            "kl": float((ref_logp.exp() * (ref_logp - logp)).sum(-1).mean()),
-            "top1": float((logp.argmax(-1) == ref_logp.argmax(-1)).float().mean()),
+            "kl": float(kl.mean()),
+            "top1": float(agree.mean()),
             "kv_bytes": kv_bytes,
             "kv_bytes_full": kv_full,
             "kv_ratio": kv_bytes / kv_full if kv_full else 1.0,
             "compress_s": runner.cache.compress_clock.seconds,
         }
+
+
+def divergence(reference: torch.Tensor, logp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(KL(reference || logp), top-1 agreement as 0/1), each (..., ) per position, from next-token
+    log-probabilities (..., vocab) of the full cache and of a compressed one."""
+    kl = (reference.exp() * (reference - logp)).sum(-1)
+    return kl, (logp.argmax(-1) == reference.argmax(-1)).double()
 
 
 def _parse_configs(configs: list[tuple[Stack | str, Budget | str | float]]) -> list[tuple[Stack, Budget]]:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field, replace
-from functools import cached_property
+from functools import cache, cached_property
 from typing import Any
 
 import torch
@@ -166,6 +166,7 @@ class Auto(Method):
             return Calibration(curves, None)
 
         def check(m: Any) -> torch.Tensor:
+            @cache  # the same decision for every validation row
             def stack_of(fraction: float, choice: Candidate) -> Stack:
                 return Stack((Auto.executing(self.solve(curves, choice, fraction, layout)),))
 

@@ -106,7 +106,7 @@ def losses(
     budget. stack_of(fraction, candidate): the stack executing that decision."""
     from kvstack.cache.cache import KVCache
     from kvstack.calibrate.prose import calibration_ids
-    from kvstack.generate import _Runner
+    from kvstack.generate import _Runner, divergence
     from kvstack.planning.curves import NEEDLE, probe_set
     from kvstack.stack import Stack
 
@@ -136,8 +136,7 @@ def losses(
                 try:
                     runner = source.fork(stack_of(fraction, choice), Budget.parse(fraction))
                     logp = torch.log_softmax(runner.forward(follow, ones, every_position=True)[0], -1)
-                    kl = (reference.exp() * (reference - logp)).sum(-1)
-                    agree = (logp.argmax(-1) == reference.argmax(-1)).double()
+                    kl, agree = divergence(reference, logp)
                     for p, i in enumerate(at):
                         out[g, c, p] += torch.stack([kl[i].mean().double(), agree[i].mean()]).cpu() / rows
                 except UserError:
