@@ -80,13 +80,23 @@ def test_a_config_the_cache_refuses_is_reported_and_the_sweep_goes_on(lm, tmp_pa
     assert "snapkv at 0.0625 refused" in err and "snapkv needs at least 64" in err
 
 
-def test_jobs_split_the_sweep_between_processes_and_give_the_same_rows(tiny_folder, tmp_path, monkeypatch):
+def test_jobs_split_the_sweep_between_processes_and_give_the_same_rows(tmp_path, monkeypatch):
+    """Jobs reload the model with the parent's prompt style: a BOS the parent adds (Gemma 3's
+    registry entry does), a reload of the folder alone would not, and the answers would differ."""
     import torch
 
     import kvstack
+    from tiny import char_tokenizer, tiny_llama
 
-    lm = kvstack.load(str(tiny_folder))
-    sweep = Sweep(str(tiny_folder), ("knorm",), ("0.5",), ("niah_single", "vt", "fidelity"), (400,), samples=2)
+    folder = tmp_path / "tiny-bos"
+    tiny_llama().save_pretrained(folder)
+    tok = char_tokenizer()
+    tok.bos_token = "<unk>"
+    tok.save_pretrained(folder)
+    lm = kvstack.load(str(folder))
+    assert not lm.add_bos
+    lm.add_bos = True
+    sweep = Sweep(str(folder), ("knorm",), ("0.5",), ("niah_single", "vt", "fidelity"), (400,), samples=2)
     one, two = Store(tmp_path / "one.sqlite"), Store(tmp_path / "two.sqlite")
     assert run_sweep(lm, sweep, one) == 2 * 3 * 2
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # two jobs need two cores

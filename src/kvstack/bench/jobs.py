@@ -7,6 +7,7 @@ parallel sweep resumes like a single job. Progress comes back to the parent over
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,31 @@ from kvstack.bench.store import Store
 from kvstack.errors import UserError
 from kvstack.generate import warm_up
 from kvstack.models.loading import LoadedModel
+
+
+@dataclass(frozen=True)
+class JobModel:
+    """How a job loads the parent's model: same source and dtype, same prompt style (chat, BOS).
+
+    The prompt style is the parent's, not what a reload infers: Gemma 3 reloaded from its
+    converted folder would lose the BOS its registry entry adds, and every answer with it.
+    """
+
+    source: str
+    dtype: str
+    chat: bool
+    add_bos: bool
+
+    @classmethod
+    def of(cls, lm: LoadedModel, source: str) -> JobModel:
+        return cls(source, str(lm.model.dtype).removeprefix("torch."), lm.chat, lm.add_bos)
+
+    def load(self) -> LoadedModel:
+        import torch
+
+        from kvstack.models import load
+
+        return replace(load(self.source, dtype=getattr(torch, self.dtype)), chat=self.chat, add_bos=self.add_bos)
 
 
 def threads_per_job(jobs: int) -> int:
@@ -47,7 +73,7 @@ def run_parallel(lm: LoadedModel, sweep: Sweep, path: Path, console: Console, jo
         todo.put(unit)
     for _ in range(jobs):
         todo.put(None)
-    model = str(lm.folder) if lm.folder is not None else sweep.model
+    model = JobModel.of(lm, sweep.model)
     procs = [ctx.Process(target=_worker, args=(model, sweep, str(path), threads, todo, events)) for _ in range(jobs)]
     for proc in procs:
         proc.start()
@@ -103,7 +129,7 @@ def _exit_with_parent() -> None:
     threading.Thread(target=watch, daemon=True).start()
 
 
-def _worker(model: str, sweep: Sweep, path: str, threads: int, todo: Any, events: Any) -> None:
+def _worker(model: JobModel, sweep: Sweep, path: str, threads: int, todo: Any, events: Any) -> None:
     """One job: load the model with `threads` cores, run units until the queue says stop."""
     import os
 
@@ -112,10 +138,8 @@ def _worker(model: str, sweep: Sweep, path: str, threads: int, todo: Any, events
     import torch
 
     torch.set_num_threads(threads)
-    from kvstack.models import load
-
     try:
-        lm = load(model)
+        lm = model.load()
         store = Store(Path(path))
         share = Share(lm, sweep, store)
         warm_up(lm.model)
