@@ -10,7 +10,8 @@ _MARK = "\u2063KVSTACK_SPLIT\u2063"
 
 def build_prompt(lm: LoadedModel, context: str, question: str, answer_prefix: str = "") -> Prompt:
     """Chat models: one user turn `context + question`, then the assistant turn and `answer_prefix`.
-    Base models: `context + question + answer_prefix` as plain text (with BOS where the model wants it).
+    Base models: `context`, `question` and `answer_prefix` as plain text, the answer on a line of
+    its own (glued to the question, "...text?The number is", Gemma 3 answered "?" or nothing).
     """
     tok = lm.tokenizer
     sep = "\n\n" if context and question else ""
@@ -18,9 +19,9 @@ def build_prompt(lm: LoadedModel, context: str, question: str, answer_prefix: st
         messages = [{"role": "user", "content": f"{context}{sep}{_MARK}{question}"}]
         text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         ctx_text, _, q_text = text.partition(_MARK)
+        q_text += answer_prefix
     else:
-        ctx_text, q_text = f"{context}{sep}", question
-    q_text += answer_prefix
+        ctx_text, q_text = f"{context}{sep}", "\n".join(t for t in (question, answer_prefix) if t)
     ctx = tok.encode(ctx_text, add_special_tokens=False)
     q = tok.encode(q_text, add_special_tokens=False) if q_text else []
     if lm.add_bos and tok.bos_token_id is not None:
