@@ -16,7 +16,7 @@ from kvstack.planning.curves import FRACTIONS, head_errors
 from kvstack.planning.options import Storage, held_bytes
 from kvstack.planning.plan import Plan, decide, rescale
 from kvstack.planning.solve import SHARES, interpolate, solve
-from kvstack.planning.validate import GRID, candidates, nearest, ranking, scored_positions
+from kvstack.planning.validate import GRID, candidates, fact_probes, loss, nearest, ranking, scored_positions
 from kvstack.stack import Stack
 
 TINY_AUTO = "auto(tokens=256, samples=1, validate=1)"
@@ -251,7 +251,7 @@ def test_curves_and_validation_are_measured_once_and_saved(llama, tmp_path, monk
     measured = stage.prepare(llama)
     curves, losses = measured.curves, measured.losses
     assert curves.shape == (1, 4, 2, len(stage.storages), len(FRACTIONS))
-    assert losses.shape == (len(GRID), len(stage.choices), 4, 2)  # per probe: KL, top-1 agreement
+    assert losses.shape == (len(GRID), len(stage.choices), 2, 2)  # per probe (continuation, 1 fact): KL, agreement
     assert len(list(tmp_path.iterdir())) == 2  # the curves and the validation, apart
     assert torch.all(curves[..., 0, 0] == 0)  # everything kept in full precision: no distortion
     assert torch.isinf(losses[-1, ..., 0]).all()  # 1/64 of 128 tokens is under `least`: every candidate refused
@@ -299,11 +299,44 @@ def test_candidates_rank_by_kl_then_agreement_and_refused_ones_last():
     assert ranking(table).tolist() == [2, 0, 1, 3]
 
 
-def test_validation_scores_the_span_a_recall_probe_predicts():
-    # a continuation of 5 ids scores its 4 next-token predictions; a recall probe of 7 ids
-    # ending in a span of 3 scores the predictions of those 3 (positions 8, 9, 10 of 12)
-    positions = scored_positions([torch.zeros(5), torch.zeros(7)], needle=3)
+def test_validation_scores_the_code_a_fact_probe_predicts():
+    # a continuation of 5 ids scores its 4 next-token predictions; a fact probe of 7 ids
+    # ending in a code of 3 scores the predictions of those 3 (positions 8, 9, 10 of 12)
+    positions = scored_positions([torch.zeros(5), torch.zeros(7)], [4, 3])
     assert [p.tolist() for p in positions] == [[0, 1, 2, 3], [8, 9, 10]]
+
+
+def test_fact_probes_write_keyed_facts_and_ask_for_them_by_key():
+    def encode(text):  # one id per character
+        return [ord(c) for c in text]
+
+    row = torch.arange(1000, 1000 + 544)  # 512 context ids and a continuation of 32
+    context, probes, answers = fact_probes(row, 512, encode, torch.Generator().manual_seed(0))
+    assert probes[0].tolist() == row[512:].tolist() and answers[0] == 31
+    assert len(probes) == 1 + 4  # one fact per 128 tokens, at even intervals
+    text = "".join(chr(i) if i < 1000 else "_" for i in context.tolist())
+    names = set()
+    for at, probe, n in zip((102, 204, 307, 409), probes[1:], answers[1:], strict=True):
+        asked = "".join(map(chr, probe.tolist()))
+        name = asked.split("What is ")[1].split("'s")[0]
+        code = asked[-n:]
+        assert n == 7 and code[0] == " " and code[1:].isdigit()
+        assert asked == f"\n\nWhat is {name}'s locker code? {name}'s locker code is{code}"
+        assert text[at:].startswith(f" {name}'s locker code is{code}.")
+        names.add(name)
+    assert len(names) == 4  # every fact has its own key
+    assert context[:102].tolist() == row[:102].tolist()  # the prose around the facts is the row's
+
+    # no tokenizer (tiny models): a fact is random key ids then code ids, asked by its key
+    context, probes, answers = fact_probes(row, 512, None, torch.Generator().manual_seed(0))
+    assert answers[1:] == [6] * 4 and all(len(p) == 10 for p in probes[1:])
+    for at, probe in zip((102, 204, 307, 409), probes[1:], strict=True):
+        assert context[at : at + 10].tolist() == probe.tolist()
+
+
+def test_a_candidates_loss_weighs_the_continuation_a_quarter():
+    table = torch.tensor([[[4.0, 0.0], [1.0, 1.0], [3.0, 0.5]]])  # continuation, two facts
+    assert loss(table).tolist() == [[0.25 * 4 + 0.75 * 2, 0.75 * 0.75]]
 
 
 def test_a_candidate_that_keeps_the_full_cache_moves_nothing(llama, monkeypatch):
@@ -318,7 +351,7 @@ def test_a_candidate_that_keeps_the_full_cache_moves_nothing(llama, monkeypatch)
         return Stack((type(stage).executing(stage.solve(curves, choice, fraction, layout)),))
 
     out = validate.losses(llama, stack_of, stage.choices, 1, 1, 128, stage.needs, stage.query_window)
-    assert out.shape == (1, len(stage.choices), 4, 2)
+    assert out.shape == (1, len(stage.choices), 2, 2)  # the continuation and one fact (a row of 128 tokens)
     assert bool((out[..., 0] == 0).all()) and bool((out[..., 1] == 1).all())  # no KL, every top-1 agrees
 
 

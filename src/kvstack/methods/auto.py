@@ -8,8 +8,9 @@ model on prose with recall probes (`kvstack.planning`); every head keeps at leas
 the uniform one kept). The curves judge heads one by one, so the decision is validated: the
 plan with each scorer and every uniform stack (one scorer, one storage) are executed on
 held-out prose at budgets of 1/2 to 1/64, and the one that moved the model's predictions least
-at the nearest budget is executed (`kvstack.planning.validate`). On Gemma 3 that is uniform
-SnapKV: KVzip's plan kept the continuation and the recalls worse there. One plan does not mix
+(its continuation, and keyed facts asked for by key) at the nearest budget is executed
+(`kvstack.planning.validate`). On Gemma 3 that is mostly uniform KVzip with 2- or 4/2-bit
+codes, on SmolLM2 KVzip's plan. One plan does not mix
 scorers across layers unless `mix=True`: measured on SmolLM2 and Qwen2.5-Coder, plans with
 SnapKV in some layers won the validation and lost every needle in query-agnostic use. Rank is
 not planned: low-rank storage lost to eviction plus quantization at equal bytes on the models
@@ -177,8 +178,9 @@ class Auto(Method):
                 )
 
         layout = self.layout(model, model.dtype.itemsize, Budget.parse(1.0))
-        what = f"{self.kind}|{[str(c) for c in self.choices]}|{self.uniform}|{self.validate}|{validation.GRID}|{layout}"
-        return Calibration(curves, calibrated(model, f"auto-valid-{_digest(what)}-v2", check))
+        grid = f"{validation.GRID}|{validation.FACTS}"
+        what = f"{self.kind}|{[str(c) for c in self.choices]}|{self.uniform}|{self.validate}|{grid}|{layout}"
+        return Calibration(curves, calibrated(model, f"auto-valid-{_digest(what)}-v4", check))
 
     def reference_length(self, config: Any) -> int:
         """Tokens per calibration row, and the length the plan is solved at: `tokens`, or less when
@@ -230,7 +232,7 @@ class Auto(Method):
         best = order[0]
 
         def said(c: int) -> str:
-            agree, kl = float(table[g, c, :, 1].mean()), float(table[g, c, :, 0].mean())
+            kl, agree = validation.loss(table[g, c]).tolist()
             return f"KL {kl:.3f}, top-1 agreement {agree:.3f}"
 
         why = f"{self.choices[best]}: {said(best)} on held-out probes at {grid[g]:g} of the full bytes"

@@ -1,19 +1,25 @@
 """Validation: every candidate decision executed by the cache on held-out prose, scored by how
-far it moves the model's next-token distributions from the full cache's on the curves' probes.
+far it moves the model's next-token distributions from the full cache's where the model
+continues the text and where it answers questions about it.
 
 The curves judge a head by its attention output and add heads up as if their errors were
-independent; what a user sees is what the model then says. Measured on Gemma 3 270M at 2k,
-the rate-distortion plan over KVzip moved the recall probes' predictions 5 times more than a
-uniform SnapKV stack of the same bytes (KL 0.45 against 0.09 at 1/4). So `auto` decides among
+independent; what a user sees is what the model then says. So `auto` decides among
 candidates, each a set of options the solver may use: the rate-distortion plan with each
 scorer (over several at once with `mix`), and every uniform stack (one scorer, one storage, an
 equal share per head: what a hand-picked stack does). Each is executed at budgets of 1/2 to
 1/64 of the full bytes on rows the curves did not see; at a budget, `auto` executes the
-candidate with the lowest mean KL(full || compressed) over the probes at the nearest of them
-(the continuation counts as much as each recall, as fidelity counts as much as each retrieval
-task in the benchmark). Top-1 agreement is kept and shown, not ranked on: measured on SmolLM2,
-it ranked SnapKV's plan above KVzip's at 1/8 (recall 0.88 against 0.89, continuation 0.94
-against 0.90), a plan that loses needles; their KLs on the recalls, 0.39 against 0.11, do not.
+candidate with the lowest KL(full || compressed) at the nearest of them.
+
+The probes are what users ask of a context: its continuation (a quarter of the loss, as
+fidelity is one task of four in the benchmark) and keyed facts written into the prose, each
+asked for by its key (" Hana's locker code is 418203." ... "What is Hana's locker code?").
+The curves' recall probes (a random span repeated after the words before it) misled here:
+random ids stand out to SnapKV's observation window (it kept 0.79 of them in Gemma 3's layer 5
+at 1/4 of the tokens, KVzip 0.48), so uniform SnapKV won the validation on Gemma 3 at every
+budget and then found no single needle (0 of 5 at 1/4, where KVzip's stacks found 4 or 5).
+Top-1 agreement is kept and shown, not ranked on: on SmolLM2 at 1/4 it ranks SnapKV's plan
+first (0.97 against 0.96), a plan that loses needles; the KLs on the facts, 0.02 against
+0.00, do not.
 """
 
 from __future__ import annotations
@@ -69,22 +75,63 @@ def nearest(fraction: float, grid: tuple[float, ...]) -> int:
     return min(range(len(grid)), key=lambda i: abs(math.log2(grid[i]) - math.log2(fraction)))
 
 
-def scored_positions(probes: list[torch.Tensor], needle: int) -> list[torch.Tensor]:
+NAMES = ("Ada", "Boris", "Chen", "Dalia", "Emil", "Farah", "Goran", "Hana", "Ivo", "Jun", "Kiri", "Lena")
+FACTS = 8  # keyed facts per validation row (one per 128 tokens in shorter rows)
+KEY, CODE = 4, 6  # ids of a fact's key and code when the model has no tokenizer (random ids)
+CONTINUATION = 0.25  # weight of the continuation in a candidate's loss; the facts share the rest
+
+
+def fact_probes(
+    row: torch.Tensor, tokens: int, encode: Callable[[str], list[int]] | None, generator: torch.Generator
+) -> tuple[torch.Tensor, list[torch.Tensor], list[int]]:
+    """(context (tokens,), probes, answers): the row's first `tokens` ids with `FACTS` keyed
+    facts written at even intervals (" Hana's locker code is 418203."); probes: the row's own
+    continuation, then per fact its question ("What is Hana's locker code? Hana's locker code
+    is") and code; answers: how many of each probe's last ids are scored. Without a tokenizer a
+    fact is random key ids then random code ids, and its probe repeats both."""
+    context = row[:tokens].clone()
+    probes, answers = [row[tokens:]], [len(row) - tokens - 1]
+    count = max(1, min(FACTS, tokens // 128))
+    names = [NAMES[i] for i in torch.randperm(len(NAMES), generator=generator)[:count]]
+    for i, name in enumerate(names):
+        at = tokens * (i + 1) // (count + 1)
+        if encode is None:
+            key, code = (row[torch.randint(0, tokens, (n,), generator=generator)].tolist() for n in (KEY, CODE))
+            fact, question = key + code, key
+        else:
+            digits = "".join(str(int(d)) for d in torch.randint(0, 10, (CODE,), generator=generator))
+            fact = encode(f" {name}'s locker code is {digits}.")
+            question, code = encode(f"\n\nWhat is {name}'s locker code? {name}'s locker code is"), encode(f" {digits}")
+        context[at : at + len(fact)] = torch.tensor(fact)
+        probes.append(torch.tensor([*question, *code]))
+        answers.append(len(code))
+    return context, probes, answers
+
+
+def scored_positions(probes: list[torch.Tensor], answers: list[int]) -> list[torch.Tensor]:
     """Per probe, the positions of the probes laid end to end whose next-token predictions are
-    scored: the continuation's own tokens, and a recall probe's last `needle` ids (the span)."""
+    scored: those of the probe's last `answers[i]` ids (a continuation's all but its first, a
+    fact's code)."""
     out, start = [], 0
-    for i, probe in enumerate(probes):
+    for probe, n in zip(probes, answers, strict=True):
         end = start + len(probe)
-        out.append(torch.arange(start, end - 1) if i == 0 else torch.arange(end - needle - 1, end - 1))
+        out.append(torch.arange(end - n - 1, end - 1))
         start = end
     return out
 
 
+def loss(table: torch.Tensor) -> torch.Tensor:
+    """(..., 2) weighted (KL, top-1 agreement) from table (..., P, 2) of per-probe values, the
+    continuation first: it weighs `CONTINUATION`, the facts share the rest (fidelity is one task
+    of four in the benchmark's mean, retrieval and QA the other three)."""
+    return CONTINUATION * table[..., 0, :] + (1 - CONTINUATION) * table[..., 1:, :].mean(-2)
+
+
 def ranking(table: torch.Tensor) -> torch.Tensor:
     """(C,) candidate indices, best first, from table (C, P, 2) of per-probe (KL, top-1
-    agreement): lowest mean KL, then highest mean agreement, then the earlier candidate;
+    agreement): lowest `loss` KL, then highest agreement, then the earlier candidate;
     candidates refused (inf KL) last."""
-    kl, agree = table[..., 0].mean(-1), table[..., 1].mean(-1)
+    kl, agree = loss(table).unbind(-1)
     return torch.tensor(sorted(range(len(kl)), key=lambda c: (float(kl[c]), -float(agree[c]), c)))
 
 
@@ -107,10 +154,9 @@ def losses(
     from kvstack.cache.cache import KVCache
     from kvstack.calibrate.prose import calibration_ids
     from kvstack.generate import _Runner, divergence
-    from kvstack.planning.curves import NEEDLE, probe_set
     from kvstack.stack import Stack
 
-    _, part = getattr(model, "_kvstack_repeat_ids", ([], []))
+    encode = getattr(model, "_kvstack_encode", None)
     generator = torch.Generator().manual_seed(1)
     out: torch.Tensor | None = None
     for row in calibration_ids(model, rows, tokens + FOLLOW, skip=skip):
@@ -119,12 +165,12 @@ def losses(
                 f"auto validates on rows of {tokens + FOLLOW} tokens, a calibration text has {len(row)}: "
                 "use auto(tokens=...) with fewer tokens"
             )
-        context, probes = probe_set(row, tokens, list(part), generator)
+        context, probes, answers = fact_probes(row, tokens, encode, generator)
         source = _Runner(model, KVCache(model, "full", 1.0, observe=needs, query_window=window))
         source.forward(context[None], torch.ones(1, tokens, dtype=torch.long))
         follow = torch.cat(probes)[None]
         ones = torch.ones_like(follow)
-        at = scored_positions(probes, NEEDLE)
+        at = scored_positions(probes, answers)
         if out is None:
             out = torch.zeros(len(GRID), len(choices), len(probes), 2, dtype=torch.float64)
         full = source.fork(Stack.parse("full"), Budget.parse(1.0)).forward(follow, ones, every_position=True)[0]
