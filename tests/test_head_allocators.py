@@ -148,6 +148,19 @@ def test_calibrations_differ_between_models(calibration_dir):
     assert len(list(calibration_dir.glob("*-headkv-v1.pt"))) == 2
 
 
+def test_a_models_calibrations_do_not_depend_on_where_it_was_loaded_from():
+    # a packaged model's first load comes from its GGUF, every later one from the converted
+    # folder: the same weights must find the same tables (auto's took 20 minutes to measure twice)
+    from tiny import tiny_llama
+
+    a, b = tiny_llama(seed=0), tiny_llama(seed=0)
+    a.config.name_or_path, b.config.name_or_path = "/root/.cache/kvstack/gguf", "/root/.cache/kvstack/models/x"
+    assert calibrate.model_key(a) == calibrate.model_key(b)
+    with torch.no_grad():
+        next(p for n, p in b.named_parameters() if "layers.1.self_attn.q_proj" in n).add_(1e-3)
+    assert calibrate.model_key(a) != calibrate.model_key(b)  # a later layer's queries tell models apart too
+
+
 def test_calibration_restores_the_kvstack_attention(tiny, calibration_dir):
     heads.razor_scores(tiny, segment=8)
     assert tiny.config._attn_implementation == "kvstack"

@@ -1,9 +1,9 @@
 """Where head calibrations live: memoised in this process and saved on disk, keyed by the model.
 
 A calibration is a small table measured once per model (for example (L, h_kv) head scores).
-The key names the model by its config's `name_or_path` and a hash of its first query
-projection, so two random tiny models with different seeds get different tables while the
-same checkpoint loaded twice (or in another dtype) reuses the saved one. Files go to
+The key names the model by its type and a hash of its query projections, so two random tiny
+models with different seeds get different tables while the same checkpoint loaded twice, from
+another folder or in another dtype, reuses the saved one. Files go to
 `<cache>/calibration/<key>-<kind>.pt`, `<cache>` being kvstack's cache directory
 ($KVSTACK_CACHE, else the user cache directory, e.g. ~/.cache/kvstack); $KVSTACK_CALIBRATION
 overrides the folder (the tests keep theirs apart).
@@ -39,25 +39,24 @@ def calibration_dir() -> Path:
     return Path(own) if own else cache_dir() / "calibration"
 
 
-def _probe(model: Any) -> torch.Tensor:
-    """The first query projection's weight (any first parameter when there is none)."""
-    for name, param in model.named_parameters():
-        if "q_proj" in name or "qkv" in name:
-            return param
-    return next(model.parameters())
+def _probes(model: Any) -> list[torch.Tensor]:
+    """Every query projection's weight (the first parameter when there is none)."""
+    found = [p for name, p in model.named_parameters() if "q_proj" in name or "qkv" in name]
+    return found or [next(model.parameters())]
 
 
 def model_key(model: Any) -> str:
-    """`<name>-<12 hex>`: the checkpoint's name and a hash of its shape and first query weights."""
+    """`<model type>-<12 hex>`: a hash of the model's shape and query weights. Not its name or
+    folder: the first load of a packaged model (from its GGUF) and every later one (from the
+    converted folder) share their tables, as the same weights anywhere do."""
     config = text_config(model.config)
-    name = str(getattr(model.config, "name_or_path", "") or "")
-    probe = _probe(model).detach()
-    total = float(probe.double().sum())
-    size = float(probe.double().abs().sum())
     layers = config.num_hidden_layers
     kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    ident = f"{name}|{config.model_type}|{layers}|{kv}|{tuple(probe.shape)}|{total:.12e}|{size:.12e}"
-    slug = re.sub(r"[^A-Za-z0-9._-]+", "_", Path(name).name or config.model_type)[-48:]
+    ident = f"{config.model_type}|{layers}|{kv}"
+    for probe in _probes(model):
+        w = probe.detach().double()
+        ident += f"|{tuple(w.shape)}|{float(w.sum()):.12e}|{float(w.abs().sum()):.12e}"
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "_", str(config.model_type))[-48:]
     return f"{slug}-{hashlib.sha1(ident.encode()).hexdigest()[:12]}"
 
 

@@ -179,7 +179,8 @@ class Auto(Method):
 
         layout = self.layout(model, model.dtype.itemsize, Budget.parse(1.0))
         grid = f"{validation.GRID}|{validation.FACTS}"
-        what = f"{self.kind}|{[str(c) for c in self.choices]}|{self.uniform}|{self.validate}|{grid}|{layout}"
+        shape = {k: v for k, v in layout.items() if k not in ("model", "budget")}  # the model is the file's key
+        what = f"{self.kind}|{[str(c) for c in self.choices]}|{self.uniform}|{self.validate}|{grid}|{shape}"
         return Calibration(curves, calibrated(model, f"auto-valid-{_digest(what)}-v4", check))
 
     def reference_length(self, config: Any) -> int:
