@@ -60,13 +60,28 @@ def threads_per_job(jobs: int) -> int:
     return cores // jobs
 
 
+def calibrate(lm: LoadedModel, share: Share) -> None:
+    """Measure here, once and with every core, what the sweep's stacks calibrate on the model
+    (head scores, codebooks, auto's curves and validation); the jobs then read it from disk
+    instead of each measuring the same table at once on its share of the cores."""
+    from kvstack.cache.cache import KVCache
+
+    for stack in {id(stack): stack for stack, _ in share.configs}.values():  # one per spec, not per budget
+        try:
+            KVCache(lm.model, stack, 1.0)  # a cache prepares its stack's calibrations when built
+        except (UserError, ValueError):
+            pass  # the sweep names a stack the cache refuses
+
+
 def run_parallel(lm: LoadedModel, sweep: Sweep, path: Path, console: Console, jobs: int) -> tuple[dict[str, str], int]:
     """Spawn `jobs` workers pulling units from one queue; show their progress in one bar."""
     import multiprocessing as mp
     import queue
 
     threads = threads_per_job(jobs)
-    share = Share(lm, sweep, None)  # the parent only plans and counts
+    share = Share(lm, sweep, None)  # the parent only plans, counts and calibrates
+    if share.units:
+        calibrate(lm, share)
     ctx = mp.get_context("spawn")
     todo, events = ctx.Queue(), ctx.Queue()
     for unit in share.units:
