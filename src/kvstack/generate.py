@@ -85,8 +85,9 @@ class _Runner:
         return runner
 
     @torch.inference_mode()
-    def forward(self, ids: torch.Tensor, chunk_mask: torch.Tensor, every_position: bool = False) -> torch.Tensor:
-        """Run one chunk (b, q); the last position's logits (b, vocab), or all of them (b, q, vocab)."""
+    def forward(self, ids: torch.Tensor, chunk_mask: torch.Tensor, at: torch.Tensor | None = None) -> torch.Tensor:
+        """Run one chunk (b, q); the last position's logits (b, vocab), or those of the chunk's
+        positions `at` (k,) (b, k, vocab): the vocabulary projection is paid only where read."""
         device = self.model.device
         ids, chunk_mask = ids.to(device), chunk_mask.to(device)
         self.mask = chunk_mask if self.mask is None else torch.cat([self.mask, chunk_mask], dim=1)
@@ -98,7 +99,7 @@ class _Runner:
             position_ids=positions,
             past_key_values=self.cache,
             use_cache=True,
-            logits_to_keep=0 if every_position else 1,
+            logits_to_keep=1 if at is None else torch.cat([at, torch.tensor([ids.shape[1] - 1])]).to(device),
             cache_position=torch.arange(start, self.mask.shape[1], device=device),
         )
         self.last_logits = out.logits[:, -1].float()
@@ -108,7 +109,7 @@ class _Runner:
             _reread(self, self.rows)
         if "confidence" in self.cache.needs:
             self.cache.confidence = confidence(self.last_logits)
-        return out.logits.float() if every_position else self.last_logits
+        return self.last_logits if at is None else out.logits[:, :-1].float()  # the last is there for last_logits
 
 
 def confidence(logits: torch.Tensor) -> torch.Tensor:
@@ -238,8 +239,9 @@ def fidelity_forks(
     source.forward(torch.tensor([context]), torch.ones(1, len(context), dtype=torch.long))
     follow = torch.tensor([continuation])
     ones = torch.ones_like(follow)
-    reference = source.fork(Stack.parse("full"), Budget.parse(1.0)).forward(follow, ones, every_position=True)[0]
-    ref_logp = torch.log_softmax(reference[:-1], -1)
+    scored = torch.arange(len(continuation) - 1)  # each position predicts the next token
+    reference = source.fork(Stack.parse("full"), Budget.parse(1.0)).forward(follow, ones, scored)[0]
+    ref_logp = torch.log_softmax(reference, -1)
     targets = follow[0, 1:].to(reference.device)
     for stack, budget in stacks:
         try:
@@ -247,7 +249,7 @@ def fidelity_forks(
             if "reconstruction" in stack.needs:
                 runner.cache.compress_clock.add(source.cache.reread_s)
             kv_bytes, kv_full = runner.cache.nbytes(), runner.cache.full_nbytes()
-            logp = torch.log_softmax(runner.forward(follow, ones, every_position=True)[0][:-1], -1)
+            logp = torch.log_softmax(runner.forward(follow, ones, scored)[0], -1)
         except UserError as err:
             yield {"refused": str(err)}
             continue

@@ -170,10 +170,12 @@ def losses(
         source.forward(context[None], torch.ones(1, tokens, dtype=torch.long))
         follow = torch.cat(probes)[None]
         ones = torch.ones_like(follow)
-        at = scored_positions(probes, answers)
+        scored = scored_positions(probes, answers)
+        keep = torch.cat(scored)  # logits only where a probe is scored (Gemma 3's vocabulary is 262k)
+        at = torch.arange(len(keep)).split([len(i) for i in scored])  # each probe's rows of those logits
         if out is None:
             out = torch.zeros(len(GRID), len(choices), len(probes), 2, dtype=torch.float64)
-        full = source.fork(Stack.parse("full"), Budget.parse(1.0)).forward(follow, ones, every_position=True)[0]
+        full = source.fork(Stack.parse("full"), Budget.parse(1.0)).forward(follow, ones, keep)[0]
         reference = torch.log_softmax(full, -1)
         if ticker is not None:
             ticker.advance()
@@ -181,7 +183,7 @@ def losses(
             for c, choice in enumerate(choices):
                 try:
                     runner = source.fork(stack_of(fraction, choice), Budget.parse(fraction))
-                    logp = torch.log_softmax(runner.forward(follow, ones, every_position=True)[0], -1)
+                    logp = torch.log_softmax(runner.forward(follow, ones, keep)[0], -1)
                     kl, agree = divergence(reference, logp)
                     for p, i in enumerate(at):
                         out[g, c, p] += torch.stack([kl[i].mean().double(), agree[i].mean()]).cpu() / rows
