@@ -16,7 +16,7 @@ from kvstack.planning.curves import FRACTIONS, head_errors
 from kvstack.planning.options import Storage, held_bytes
 from kvstack.planning.plan import Plan, decide, rescale
 from kvstack.planning.solve import SHARES, interpolate, solve
-from kvstack.planning.validate import GRID, candidates, fact_probes, loss, nearest, ranking, scored_positions
+from kvstack.planning.validate import GRID, TIE, candidates, fact_probes, loss, nearest, ranking, scored_positions
 from kvstack.stack import Stack
 
 TINY_AUTO = "auto(tokens=256, samples=1, validate=1)"
@@ -286,17 +286,19 @@ def test_a_budget_is_validated_at_the_nearest_grid_point_in_log_scale(fraction, 
     assert GRID[nearest(fraction, GRID)] == grid
 
 
-def test_candidates_rank_by_kl_then_agreement_and_refused_ones_last():
-    table = torch.tensor(  # (C=4, P=2, (KL, agreement))
+def test_candidates_rank_by_agreement_then_kl_within_a_tie_and_refused_ones_last():
+    table = torch.tensor(  # (C=4, P=2, (KL, agreement)); loss: a quarter the first probe, the rest the second
         [
-            [[0.1, 0.4], [0.3, 0.6]],  # KL 0.2
-            [[0.6, 0.8], [0.4, 0.8]],  # KL 0.5
-            [[0.2, 0.7], [0.2, 0.9]],  # KL 0.2, agreement 0.8: ahead of the first
+            [[0.2, 0.5], [0.2, 0.5]],  # the lowest KL, but the fewest answers agree: last of those that fit
+            [[0.5, 0.8], [0.5, 0.8]],  # the best agreement
+            [[0.3, 0.79], [0.3, 0.79]],  # within TIE of it: a tie, and the lower KL wins it
             [[math.inf, 1.0], [math.inf, 1.0]],  # refused
         ],
         dtype=torch.float64,
     )
-    assert ranking(table).tolist() == [2, 0, 1, 3]
+    assert ranking(table).tolist() == [2, 1, 0, 3]
+    table[2, :, 1] = 0.8 - TIE - 0.01  # no longer a tie: agreement decides
+    assert ranking(table).tolist() == [1, 2, 0, 3]
 
 
 def test_validation_scores_the_code_a_fact_probe_predicts():

@@ -8,9 +8,9 @@ model on prose with recall probes (`kvstack.planning`); every head keeps at leas
 the uniform one kept). The curves judge heads one by one, so the decision is validated: the
 plan with each scorer and every uniform stack (one scorer, one storage) are executed on
 held-out prose at budgets of 1/2 to 1/64, and the one that moved the model's predictions least
-(its continuation, and keyed facts asked for by key) at the nearest budget is executed
-(`kvstack.planning.validate`). On Gemma 3 that is mostly uniform KVzip with 2- or 4/2-bit
-codes, on SmolLM2 KVzip's plan. One plan does not mix
+(its continuation, and keyed facts asked for by key: top-1 agreement, then KL) at the nearest
+budget is executed (`kvstack.planning.validate`). On SmolLM2 and Qwen2.5-Coder that is KVzip's
+plan, on Gemma 3 KVzip's plan or uniform KVzip with 4/2- or 2-bit codes. One plan does not mix
 scorers across layers unless `mix=True`: measured on SmolLM2 and Qwen2.5-Coder, plans with
 SnapKV in some layers won the validation and lost every needle in query-agnostic use. Rank is
 not planned: low-rank storage lost to eviction plus quantization at equal bytes on the models
