@@ -162,7 +162,7 @@ def _load_packaged(spec: ModelSpec, dtype: torch.dtype, attn: str) -> LoadedMode
         (folder / DONE).write_text(spec.name)
         if gguf.parent == cache_dir() / "gguf":
             gguf.unlink()  # the parts stay installed; the converted folder is what we reuse
-        model.config.name_or_path = str(folder)  # as every later load names it (calibrations are keyed by it)
+        model.config.name_or_path = str(folder)  # as every later load names it (a saved plan records it)
         return _ready(spec.name, model.to(dtype), tok, attn, spec.chat, spec.add_bos, folder)
     return _from_folder(spec.name, folder, dtype, attn, spec.chat, spec.add_bos)
 
