@@ -161,6 +161,16 @@ def test_a_models_calibrations_do_not_depend_on_where_it_was_loaded_from():
     assert calibrate.model_key(a) != calibrate.model_key(b)  # a later layer's queries tell models apart too
 
 
+def test_a_model_read_after_its_bos_has_its_own_calibrations():
+    # calibration rows start with the prefix the model's prompts have (Gemma 3's BOS): tables
+    # measured without it (garbage for Gemma 3) are not reused
+    from tiny import tiny_llama
+
+    a, b = tiny_llama(seed=0), tiny_llama(seed=0)
+    b._kvstack_prefix = (2,)
+    assert calibrate.model_key(a) != calibrate.model_key(b)
+
+
 def test_calibration_restores_the_kvstack_attention(tiny, calibration_dir):
     heads.razor_scores(tiny, segment=8)
     assert tiny.config._attn_implementation == "kvstack"

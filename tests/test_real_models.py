@@ -180,6 +180,7 @@ def test_auto_plans_bytes_the_real_cache_then_holds(name):
     lm = kvstack.load(name)
     spec = "auto(samples=1, tokens=1024, validate=1)"  # a shorter calibration than the default, for CI
     ids = calibration_ids(lm.model, 1, 2048)[0][None]
+    assert (int(ids[0, 0]) == lm.tokenizer.bos_token_id) == lm.add_bos  # read as its prompts are: Gemma's BOS first
     for budget in ("0.0625", "1MB"):
         planned = Stack.parse(spec).stages[0].plan_for(lm.model, Budget.parse(budget), 2048)
         cache = KVCache(lm.model, spec, budget)

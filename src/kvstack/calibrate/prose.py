@@ -10,9 +10,10 @@ from kvstack.errors import UserError
 
 
 def calibration_ids(model: Any, samples: int, tokens: int, skip: int = 0) -> list[torch.Tensor]:
-    """`samples` rows of `tokens` ids: State of the Union prose in the model's tokens, or random
-    ids when the model has no tokenizer attached (tiny test models); `skip` rows are passed over
-    first (held-out rows: what one calibration measured, another can check on other text)."""
+    """`samples` rows of `tokens` ids: State of the Union prose in the model's tokens, after the
+    BOS its prompts start with, or random ids when the model has no tokenizer attached (tiny
+    test models); `skip` rows are passed over first (held-out rows: what one calibration
+    measured, another can check on other text)."""
     encode = getattr(model, "_kvstack_encode", None)
     if encode is None:
         gen = torch.Generator().manual_seed(0)
@@ -24,7 +25,12 @@ def calibration_ids(model: Any, samples: int, tokens: int, skip: int = 0) -> lis
     if skip + samples > len(texts):
         raise UserError(f"calibration asks for {skip + samples} texts, there are {len(texts)}: use fewer samples")
     picked = texts[len(texts) - skip - samples : len(texts) - skip]  # the most recent addresses
-    return [torch.tensor(encode(text)[:tokens]) for text in picked]
+    return [torch.tensor((prompt_prefix(model) + encode(text))[:tokens]) for text in picked]
+
+
+def prompt_prefix(model: Any) -> list[int]:
+    """The ids a prompt to `model` starts with (its BOS where it wants one; none for tiny models)."""
+    return list(getattr(model, "_kvstack_prefix", ()))
 
 
 def calibration_states(model: Any, samples: int, tokens: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

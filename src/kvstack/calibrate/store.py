@@ -53,6 +53,9 @@ def model_key(model: Any) -> str:
     layers = config.num_hidden_layers
     kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     ident = f"{config.model_type}|{layers}|{kv}"
+    prefix = list(getattr(model, "_kvstack_prefix", ()))
+    if prefix:  # tables are measured on rows starting with it
+        ident += f"|prefix{prefix}"
     for probe in _probes(model):
         w = probe.detach().double()
         ident += f"|{tuple(w.shape)}|{float(w.sum()):.12e}|{float(w.abs().sum()):.12e}"
