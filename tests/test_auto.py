@@ -16,7 +16,18 @@ from kvstack.planning.curves import FRACTIONS, head_errors
 from kvstack.planning.options import Storage, held_bytes
 from kvstack.planning.plan import Plan, decide, rescale
 from kvstack.planning.solve import SHARES, interpolate, solve
-from kvstack.planning.validate import GRID, TIE, candidates, fact_probes, loss, nearest, ranking, scored_positions
+from kvstack.planning.validate import (
+    GRID,
+    TIE,
+    candidates,
+    fact_probes,
+    loss,
+    nearest,
+    per_probe,
+    ranking,
+    scored_positions,
+    validation_rows,
+)
 from kvstack.stack import Stack
 
 TINY_AUTO = "auto(tokens=256, samples=1, validate=1)"
@@ -334,6 +345,35 @@ def test_fact_probes_write_keyed_facts_and_ask_for_them_by_key():
     assert answers[1:] == [6] * 4 and all(len(p) == 10 for p in probes[1:])
     for at, probe in zip((102, 204, 307, 409), probes[1:], strict=True):
         assert context[at : at + 10].tolist() == probe.tolist()
+
+
+def test_a_fact_agrees_up_to_its_first_wrong_token_the_continuation_token_by_token():
+    kl = torch.tensor([0.1, 0.2, 0.3, 1.0, 1.0, 1.0, 2.0, 2.0])
+    agree = torch.tensor([1.0, 0.0, 1.0, 1.0, 1.0, 0.0, 0.0, 1.0])
+    at = (torch.arange(0, 3), torch.arange(3, 6), torch.arange(6, 8))  # continuation, two facts
+    out = per_probe(kl, agree, at)
+    assert out[:, 0].tolist() == pytest.approx([0.2, 1.0, 2.0])
+    # the continuation: 2 of 3 agree; a fact right for 2 tokens then wrong: 2 of 3 (greedy stops
+    # there); a fact wrong at its first token: 0, though teacher forcing agreed on its second
+    assert out[:, 1].tolist() == pytest.approx([2 / 3, 2 / 3, 0.0])
+
+
+def test_validation_rows_alternate_prose_and_filler_after_the_models_bos(llama, monkeypatch):
+    from kvstack.bench.tasks.ruler import NOISE
+    from kvstack.calibrate import prose
+
+    def encode(text):  # one id per character
+        return [ord(c) for c in text]
+
+    monkeypatch.setattr(llama, "_kvstack_encode", encode, raising=False)
+    monkeypatch.setattr(llama, "_kvstack_prefix", (2,), raising=False)
+    monkeypatch.setattr("kvstack.bench.data.state_of_the_union", lambda: ["speech " * 60] * 5)
+    rows = validation_rows(llama, 3, 300, skip=1)
+    assert [len(r) for r in rows] == [300] * 3
+    assert rows[0].tolist() == [2, *encode("speech " * 60)][:300] == rows[2].tolist()  # prose, after BOS
+    filler = [2, *(encode(" " + NOISE) * 4)][:300]
+    assert rows[1].tolist() == filler  # RULER's filler instead, after BOS too
+    assert prose.calibration_ids(llama, 1, 10)[0].tolist() == [2, *encode("speech " * 60)][:10]  # the curves' rows
 
 
 def test_a_candidates_loss_weighs_the_continuation_a_quarter():

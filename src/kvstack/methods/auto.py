@@ -7,10 +7,9 @@ model on prose with recall probes (`kvstack.planning`); every head keeps at leas
 (0.8) of a uniform split (measured on SmolLM2 at 2k, a free allocation lost multi-key needles
 the uniform one kept). The curves judge heads one by one, so the decision is validated: the
 plan with each scorer and every uniform stack (one scorer, one storage) are executed on
-held-out prose at budgets of 1/2 to 1/64, and the one that moved the model's predictions least
-(its continuation, and keyed facts asked for by key: top-1 agreement, then KL) at the nearest
-budget is executed (`kvstack.planning.validate`). On SmolLM2 and Qwen2.5-Coder that is KVzip's
-plan, on Gemma 3 KVzip's plan or uniform KVzip with 4/2- or 2-bit codes. One plan does not mix
+held-out text at budgets of 1/2 to 1/64, and the one that moved the model's predictions least
+(its continuation, and keyed facts asked for by key in prose and in filler: top-1 agreement,
+then KL) at the nearest budget is executed (`kvstack.planning.validate`). One plan does not mix
 scorers across layers unless `mix=True`: measured on SmolLM2 and Qwen2.5-Coder, plans with
 SnapKV in some layers won the validation and lost every needle in query-agnostic use. Rank is
 not planned: low-rank storage lost to eviction plus quantization at equal bytes on the models
@@ -181,7 +180,7 @@ class Auto(Method):
         grid = f"{validation.GRID}|{validation.FACTS}"
         shape = {k: v for k, v in layout.items() if k not in ("model", "budget")}  # the model is the file's key
         what = f"{self.kind}|{[str(c) for c in self.choices]}|{self.uniform}|{self.validate}|{grid}|{shape}"
-        return Calibration(curves, calibrated(model, f"auto-valid-{_digest(what)}-v4", check))
+        return Calibration(curves, calibrated(model, f"auto-valid-{_digest(what)}-v5", check))
 
     def reference_length(self, config: Any) -> int:
         """Tokens per calibration row, and the length the plan is solved at: `tokens`, or less when

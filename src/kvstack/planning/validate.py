@@ -1,5 +1,5 @@
-"""Validation: every candidate decision executed by the cache on held-out prose, scored by how
-far it moves the model's next-token distributions from the full cache's where the model
+"""Validation: every candidate decision executed by the cache on held-out text, scored by how
+far it moves the model's next-token predictions from the full cache's where the model
 continues the text and where it answers questions about it.
 
 The curves judge a head by its attention output and add heads up as if their errors were
@@ -10,20 +10,22 @@ equal share per head: what a hand-picked stack does). Each is executed at budget
 1/64 of the full bytes on rows the curves did not see; at a budget, `auto` executes the
 candidate that moved the model least at the nearest of them (`ranking`).
 
-The probes are what users ask of a context: its continuation (a quarter of the loss, as
-fidelity is one task of four in the benchmark) and keyed facts written into the prose, each
-asked for by its key (" Hana's locker code is 418203." ... "What is Hana's locker code?").
-The curves' recall probes (a random span repeated after the words before it) misled here:
-random ids stand out to SnapKV's observation window (it kept 0.79 of them in Gemma 3's layer 5
-at 1/4 of the tokens, KVzip 0.48), so uniform SnapKV won the validation on Gemma 3 at every
-budget and then found no single needle (0 of 5 at 1/4, where KVzip's stacks found 4 or 5).
-Ranked first by top-1 agreement with the full cache, which is what greedy decoding and every
-score of the benchmark count, then by KL(full || compressed) among those whose agreements are
-within `TIE`: agreement alone is noisy (random-span probes once ranked SnapKV's plan above
-KVzip's on SmolLM2 at 1/8 by 0.895 against 0.893, a plan that loses needles; their KLs, 0.39
-against 0.11, did not), KL alone prefers a spread distribution to a peaked one that is right
-more often (Gemma 3 at 1/32: SnapKV's plan KL 1.77 with 0.32 of the tokens agreeing, uniform
-KVzip at 2 bits KL 1.90 with 0.45).
+Probes are what users ask of a context: its continuation (a quarter of the loss, as fidelity
+is one task of four in the benchmark) and keyed facts written into it, each asked for by its
+key (" Hana's locker code is 418203." ... "What is Hana's locker code?"), a fact counting up
+to its first wrong token, as greedy decoding answers (`per_probe`). Rows start as the model's
+prompts do (Gemma 3's BOS), and every other row is RULER's filler instead of prose, a context
+holding little but its facts, as a needle test's does: on prose alone no candidate kept a fact
+at 1/16 of Gemma 3's bytes, the continuation decided, and SnapKV won and found no needle.
+Random spans recalled after the words before them (the curves' probes) misled the same way:
+they stand out to SnapKV's observation window.
+
+Ranked by agreement with the full cache's top-1, which greedy answers and the benchmark count,
+then by KL(full || compressed) among those within `TIE` of the best: agreement alone is
+noisy (it once ranked SnapKV's plan over KVzip's on SmolLM2 at 1/8 by 0.895 against 0.893, a
+plan that loses needles; their KLs, 0.39 against 0.11, did not), KL alone prefers a spread
+distribution to a peaked one that is right more often (Gemma 3 at 1/32: SnapKV's plan KL 1.77
+with 0.32 agreeing, uniform KVzip at 2 bits KL 1.90 with 0.45).
 """
 
 from __future__ import annotations
@@ -80,10 +82,10 @@ def nearest(fraction: float, grid: tuple[float, ...]) -> int:
 
 
 NAMES = ("Ada", "Boris", "Chen", "Dalia", "Emil", "Farah", "Goran", "Hana", "Ivo", "Jun", "Kiri", "Lena")
-FACTS = 8  # keyed facts per validation row (one per 128 tokens in shorter rows)
+FACTS = 8  # keyed facts per validation row (one per 128 tokens in shorter rows): 16 in two rows
 KEY, CODE = 4, 6  # ids of a fact's key and code when the model has no tokenizer (random ids)
 CONTINUATION = 0.25  # weight of the continuation in a candidate's loss; the facts share the rest
-TIE = 0.02  # agreements closer than this (2 of the ~110 code tokens a validation scores) are ranked by KL
+TIE = 0.02  # agreements closer than this (3 code tokens of the ~110 in two rows) are ranked by KL
 
 
 def fact_probes(
@@ -113,6 +115,26 @@ def fact_probes(
     return context, probes, answers
 
 
+def validation_rows(model: Any, rows: int, length: int, skip: int) -> list[torch.Tensor]:
+    """`rows` rows of `length` ids: calibration prose after the `skip` rows the curves read, every
+    other one RULER's filler instead when the model has a tokenizer (random ids have no filler)."""
+    from kvstack.calibrate.prose import calibration_ids
+
+    encode = getattr(model, "_kvstack_encode", None)
+    prose = calibration_ids(model, rows, length, skip=skip)
+    return [filler_ids(model, encode, length) if r % 2 and encode else row for r, row in enumerate(prose)]
+
+
+def filler_ids(model: Any, encode: Callable[[str], list[int]], length: int) -> torch.Tensor:
+    """(length,) ids of RULER's filler sentences repeated, after the model's BOS: a context
+    holding little but its facts, as a needle test's haystack does."""
+    from kvstack.bench.tasks.ruler import NOISE
+    from kvstack.calibrate.prose import prompt_prefix
+
+    ids = encode(" " + NOISE)
+    return torch.tensor(prompt_prefix(model) + ids * (length // len(ids) + 1))[:length]
+
+
 def scored_positions(probes: list[torch.Tensor], answers: list[int]) -> list[torch.Tensor]:
     """Per probe, the positions of the probes laid end to end whose next-token predictions are
     scored: those of the probe's last `answers[i]` ids (a continuation's all but its first, a
@@ -123,6 +145,20 @@ def scored_positions(probes: list[torch.Tensor], answers: list[int]) -> list[tor
         out.append(torch.arange(end - n - 1, end - 1))
         start = end
     return out
+
+
+def per_probe(kl: torch.Tensor, agree: torch.Tensor, at: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """(P, 2) per probe, its mean KL and its agreement, from kl and agree (k,) per scored position
+    and `at`, each probe's indices in them, the continuation first. The continuation's agreement
+    is the share of its positions whose top-1 agrees (as fidelity counts it); a fact's, the share
+    of its code before the first that does not, as greedy decoding would answer it (teacher
+    forcing credits the digits after a miss that greedy never reaches: uniform KVzip with 1-bit
+    values agreed on 0.73 of Gemma 3's code tokens at 1/8 and answered no needle at all)."""
+    rows = [
+        torch.stack([kl[i].mean().double(), (agree[i] if p == 0 else agree[i].cumprod(0)).mean().double()])
+        for p, i in enumerate(at)
+    ]
+    return torch.stack(rows)
 
 
 def loss(table: torch.Tensor) -> torch.Tensor:
@@ -158,20 +194,19 @@ def losses(
     window: int,
     ticker: Any = None,
 ) -> torch.Tensor:
-    """(G, C, P, 2) per budget in `GRID`, candidate and probe, the mean over `rows` rows of
-    calibration prose (after the `skip` the curves read) of KL(full || compressed) of the
-    next-token distributions at the probe's scored positions, and the share of them whose top
-    token agrees with the full cache's; KL inf where the cache refuses the candidate at that
-    budget. stack_of(fraction, candidate): the stack executing that decision."""
+    """(G, C, P, 2) per budget in `GRID`, candidate and probe, the mean over `rows` validation rows
+    (after the `skip` the curves read) of KL(full || compressed) of the next-token distributions
+    at the probe's scored positions and the agreement of their top tokens (`per_probe`); KL inf
+    where the cache refuses the candidate at that budget. stack_of(fraction, candidate): the
+    stack executing that decision."""
     from kvstack.cache.cache import KVCache
-    from kvstack.calibrate.prose import calibration_ids
     from kvstack.generate import _Runner, divergence
     from kvstack.stack import Stack
 
     encode = getattr(model, "_kvstack_encode", None)
     generator = torch.Generator().manual_seed(1)
     out: torch.Tensor | None = None
-    for row in calibration_ids(model, rows, tokens + FOLLOW, skip=skip):
+    for row in validation_rows(model, rows, tokens + FOLLOW, skip):
         if len(row) < tokens + FOLLOW:
             raise UserError(
                 f"auto validates on rows of {tokens + FOLLOW} tokens, a calibration text has {len(row)}: "
@@ -196,9 +231,7 @@ def losses(
                 try:
                     runner = source.fork(stack_of(fraction, choice), Budget.parse(fraction))
                     logp = torch.log_softmax(runner.forward(follow, ones, keep)[0], -1)
-                    kl, agree = divergence(reference, logp)
-                    for p, i in enumerate(at):
-                        out[g, c, p] += torch.stack([kl[i].mean().double(), agree[i].mean()]).cpu() / rows
+                    out[g, c] += per_probe(*divergence(reference, logp), at).cpu() / rows
                 except UserError:
                     out[g, c, :, 0] = math.inf
                 if ticker is not None:
