@@ -26,6 +26,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from kvstack.cache.cache import text_config
+from kvstack.calibrate.prose import prompt_prefix
 
 _MEMO: dict[tuple[str, str], torch.Tensor] = {}
 
@@ -53,7 +54,7 @@ def model_key(model: Any) -> str:
     layers = config.num_hidden_layers
     kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     ident = f"{config.model_type}|{layers}|{kv}"
-    prefix = list(getattr(model, "_kvstack_prefix", ()))
+    prefix = prompt_prefix(model)
     if prefix:  # tables are measured on rows starting with it
         ident += f"|prefix{prefix}"
     for probe in _probes(model):
