@@ -21,6 +21,7 @@ from kvstack.planning.validate import (
     TIE,
     candidates,
     fact_probes,
+    look_alike_keys,
     loss,
     nearest,
     per_probe,
@@ -328,23 +329,37 @@ def test_fact_probes_write_keyed_facts_and_ask_for_them_by_key():
     assert probes[0].tolist() == row[512:].tolist() and answers[0] == 31
     assert len(probes) == 1 + 4  # one fact per 128 tokens, at even intervals
     text = "".join(chr(i) if i < 1000 else "_" for i in context.tolist())
-    names = set()
+    keys = []
     for at, probe, n in zip((102, 204, 307, 409), probes[1:], answers[1:], strict=True):
         asked = "".join(map(chr, probe.tolist()))
-        name = asked.split("What is ")[1].split("'s")[0]
+        name, what = asked.split("What is ")[1].split("?")[0].split("'s ")
+        what = what.removesuffix(" code")
         code = asked[-n:]
         assert n == 7 and code[0] == " " and code[1:].isdigit()
-        assert asked == f"\n\nWhat is {name}'s locker code? {name}'s locker code is{code}"
-        assert text[at:].startswith(f" {name}'s locker code is{code}.")
-        names.add(name)
-    assert len(names) == 4  # every fact has its own key
+        assert asked == f"\n\nWhat is {name}'s {what} code? {name}'s {what} code is{code}"
+        assert text[at:].startswith(f" {name}'s {what} code is{code}.")
+        keys.append((name, what))
+    # every fact has its own key, and look-alikes: two owners, each with the same two things
+    assert len(set(keys)) == 4
+    assert len({k[0] for k in keys}) == 2 and len({k[1] for k in keys}) == 2
     assert context[:102].tolist() == row[:102].tolist()  # the prose around the facts is the row's
 
-    # no tokenizer (tiny models): a fact is random key ids then code ids, asked by its key
+    # no tokenizer (tiny models): a fact is random key ids then code ids, asked by its key, and
+    # keys share their halves as the words do
     context, probes, answers = fact_probes(row, 512, None, torch.Generator().manual_seed(0))
     assert answers[1:] == [6] * 4 and all(len(p) == 10 for p in probes[1:])
     for at, probe in zip((102, 204, 307, 409), probes[1:], strict=True):
         assert context[at : at + 10].tolist() == probe.tolist()
+    keys = [tuple(p[:4].tolist()) for p in probes[1:]]
+    assert len(set(keys)) == 4 and len({k[:2] for k in keys}) == 2 and len({k[2:] for k in keys}) == 2
+
+
+def test_look_alike_keys_pair_each_owner_with_the_same_things():
+    keys = look_alike_keys(8, torch.Generator().manual_seed(3))
+    owners, things = {o for o, _ in keys}, {t for _, t in keys}
+    assert len(set(keys)) == 8 and len(owners) == 4 and len(things) == 2
+    assert set(keys) == {(o, t) for o in owners for t in things}
+    assert len(look_alike_keys(3, torch.Generator().manual_seed(3))) == 3  # an odd count: one pair left out
 
 
 def test_a_fact_agrees_up_to_its_first_wrong_token_the_continuation_token_by_token():

@@ -58,7 +58,7 @@ class Auto(Method):
     uniform: float = 0.8
     samples: int = 2
     tokens: int = 2048
-    validate: int = 2
+    validate: int = 4
     mix: bool = False
     plan: str = ""
     every: int = field(default=16, kw_only=True)
@@ -180,7 +180,7 @@ class Auto(Method):
         grid = f"{validation.GRID}|{validation.FACTS}"
         shape = {k: v for k, v in layout.items() if k not in ("model", "budget")}  # the model is the file's key
         what = f"{self.kind}|{[str(c) for c in self.choices]}|{self.uniform}|{self.validate}|{grid}|{shape}"
-        return Calibration(curves, calibrated(model, f"auto-valid-{_digest(what)}-v5", check))
+        return Calibration(curves, calibrated(model, f"auto-valid-{_digest(what)}-v6", check))
 
     def reference_length(self, config: Any) -> int:
         """Tokens per calibration row, and the length the plan is solved at: `tokens`, or less when

@@ -12,7 +12,8 @@ candidate that moved the model least at the nearest of them (`ranking`).
 
 Probes are what users ask of a context: its continuation (a quarter of the loss, as fidelity
 is one task of four in the benchmark) and keyed facts written into it, each asked for by its
-key (" Hana's locker code is 418203." ... "What is Hana's locker code?"), a fact counting up
+key (" Hana's safe code is 418203." ... "What is Hana's safe code?"), among look-alikes (Hana's
+locker code, Emil's safe code), as a multi-key needle test's distractors are, a fact counting up
 to its first wrong token, as greedy decoding answers (`per_probe`). Rows start as the model's
 prompts do (Gemma 3's BOS), and every other row is RULER's filler instead of prose, a context
 holding little but its facts, as a needle test's does: on prose alone no candidate kept a fact
@@ -82,33 +83,50 @@ def nearest(fraction: float, grid: tuple[float, ...]) -> int:
 
 
 NAMES = ("Ada", "Boris", "Chen", "Dalia", "Emil", "Farah", "Goran", "Hana", "Ivo", "Jun", "Kiri", "Lena")
-FACTS = 8  # keyed facts per validation row (one per 128 tokens in shorter rows): 16 in two rows
-KEY, CODE = 4, 6  # ids of a fact's key and code when the model has no tokenizer (random ids)
+THINGS = ("locker", "safe", "gate", "mailbox", "alarm", "bike lock")
+FACTS = 8  # keyed facts per validation row (one per 128 tokens in shorter rows): 32 in four rows
+KEY, CODE = 4, 6  # ids of a fact's key (half its owner, half its thing) and code without a tokenizer
 CONTINUATION = 0.25  # weight of the continuation in a candidate's loss; the facts share the rest
-TIE = 0.02  # agreements closer than this (3 code tokens of the ~110 in two rows) are ranked by KL
+TIE = 0.02  # agreements closer than this (4 code tokens of the ~220 in four rows) are ranked by KL
+
+
+def look_alike_keys(count: int, generator: torch.Generator) -> list[tuple[int, int]]:
+    """`count` distinct (owner, thing) index pairs, each owner holding two things and the same
+    two things held by every owner, in random order: every key has look-alikes that share a
+    part of it, as the distractor needles of a multi-key test share its form."""
+    owners = torch.randperm(len(NAMES), generator=generator)[: (count + 1) // 2].tolist()
+    things = torch.randperm(len(THINGS), generator=generator)[:2].tolist()
+    pairs = [(o, t) for o in owners for t in things]
+    return [pairs[i] for i in torch.randperm(len(pairs), generator=generator)[:count].tolist()]
 
 
 def fact_probes(
     row: torch.Tensor, tokens: int, encode: Callable[[str], list[int]] | None, generator: torch.Generator
 ) -> tuple[torch.Tensor, list[torch.Tensor], list[int]]:
     """(context (tokens,), probes, answers): the row's first `tokens` ids with `FACTS` keyed
-    facts written at even intervals (" Hana's locker code is 418203."); probes: the row's own
-    continuation, then per fact its question ("What is Hana's locker code? Hana's locker code
-    is") and code; answers: how many of each probe's last ids are scored. Without a tokenizer a
-    fact is random key ids then random code ids, and its probe repeats both."""
+    facts written at even intervals (" Hana's safe code is 418203."), their keys look-alikes
+    (`look_alike_keys`: Hana's locker code is there too, and Emil's safe code); probes: the
+    row's own continuation, then per fact its question ("What is Hana's safe code? Hana's safe
+    code is") and code; answers: how many of each probe's last ids are scored. Without a
+    tokenizer a key is random owner ids then random thing ids, shared the same way, and its
+    probe repeats key and code."""
     context = row[:tokens].clone()
     probes, answers = [row[tokens:]], [len(row) - tokens - 1]
-    count = max(1, min(FACTS, tokens // 128))
-    names = [NAMES[i] for i in torch.randperm(len(NAMES), generator=generator)[:count]]
-    for i, name in enumerate(names):
-        at = tokens * (i + 1) // (count + 1)
+    keys = look_alike_keys(max(1, min(FACTS, tokens // 128)), generator)
+    if encode is None:  # random ids for every owner and thing
+        parts = row[torch.randint(0, tokens, (len(NAMES) + len(THINGS), KEY // 2), generator=generator)]
+    for i, (owner, thing) in enumerate(keys):
+        at = tokens * (i + 1) // (len(keys) + 1)
         if encode is None:
-            key, code = (row[torch.randint(0, tokens, (n,), generator=generator)].tolist() for n in (KEY, CODE))
+            key = [*parts[owner].tolist(), *parts[len(NAMES) + thing].tolist()]
+            code = row[torch.randint(0, tokens, (CODE,), generator=generator)].tolist()
             fact, question = key + code, key
         else:
-            digits = "".join(str(int(d)) for d in torch.randint(0, 10, (CODE,), generator=generator))
-            fact = encode(f" {name}'s locker code is {digits}.")
-            question, code = encode(f"\n\nWhat is {name}'s locker code? {name}'s locker code is"), encode(f" {digits}")
+            digits = torch.randint(0, 10, (CODE,), generator=generator)
+            name, what, number = NAMES[owner], THINGS[thing], "".join(str(int(d)) for d in digits)
+            fact = encode(f" {name}'s {what} code is {number}.")
+            question = encode(f"\n\nWhat is {name}'s {what} code? {name}'s {what} code is")
+            code = encode(f" {number}")
         context[at : at + len(fact)] = torch.tensor(fact)
         probes.append(torch.tensor([*question, *code]))
         answers.append(len(code))
