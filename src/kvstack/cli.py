@@ -368,6 +368,62 @@ def report(out_dir: Annotated[Path, typer.Argument(help="a folder written by `kv
     out.print(f"report: {path}", highlight=False)
 
 
+@app.command()
+def compare(
+    out_dir: Annotated[Path, typer.Argument(help="a folder written by `kvstack bench`")],
+    method: Annotated[str, typer.Option(help="the stack to compare, as the sweep names it")] = "auto",
+    over: Annotated[bool, typer.Option("--over-budget", help="rivals may hold more bytes than the budget")] = False,
+) -> None:
+    """Per budget, METHOD against the best other stack of the sweep: mean over every task, the
+    difference and its 95% paired bootstrap interval (same questions, resampled)."""
+    try:
+        tables = _compare_tables(out_dir, method, not over)
+    except UserError as e:
+        _fail(str(e))
+        return
+    for table in tables:
+        out.print(table)
+
+
+def _compare_tables(out_dir: Path, method: str, within: bool) -> list[Table]:
+    """Per group of the sweep, a table of `method` against the best other stack at each budget."""
+    from kvstack.bench.compare import compare as comparisons
+    from kvstack.bench.report import tokens_label
+    from kvstack.bench.store import read_rows
+    from kvstack.errors import unknown_name
+
+    rows = read_rows(out_dir)
+    names = sorted({r["method"] for r in rows})
+    if method not in names:
+        raise unknown_name("method in this sweep", method, names)
+    found = comparisons(rows, method, within)
+    if not found:
+        raise UserError(f"{method} has no budget where another stack answered the same questions: run both")
+    tables = []
+    for group in sorted({c.group for c in found}):
+        model, mode, length = group
+        mine = [c for c in found if c.group == group]
+        tasks = ", ".join(mine[0].tasks)
+        title = f"{model}, {tokens_label(length)}, query-{mode}: {method} against the best other stack"
+        table = Table(title=f"{title}{' within the budget' if within else ''} (mean over {tasks})")
+        for col in ("budget", method, "best other", "score", "diff", "95% interval", "verdict", "n"):
+            table.add_column(col, no_wrap=col != "best other", overflow="fold")
+        for c in mine:
+            verdict = c.verdict
+            table.add_row(
+                c.budget,
+                f"{c.score:.3f}",
+                c.rival,
+                f"{c.rival_score:.3f}",
+                f"{c.difference:+.3f}",
+                f"{c.low:+.3f}..{c.high:+.3f}",
+                verdict,
+                str(c.pairs),
+            )
+        tables.append(table)
+    return tables
+
+
 def _report(out_dir: Path) -> Path:
     """Print the score tables of every group, write the HTML report, return its path."""
     from kvstack.bench.report import MEAN, answer_tasks, load_groups, tokens_label, write_report

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvstack.bench.store import Store
+from kvstack.bench.store import read_rows
 
 Group = tuple[str, str, int]  # model, mode, length
 
@@ -370,15 +370,7 @@ def rival_table(points: list[Point]) -> str:
 
 def load_groups(out_dir: Path) -> dict[Group, list[Point]]:
     """The aggregated results of a benchmark folder, or a one-line error saying how to get them."""
-    path = out_dir / "results.sqlite"
-    if not path.exists():
-        from kvstack.errors import UserError
-
-        raise UserError(f"no results in {out_dir}: run `kvstack bench --out {out_dir}` first")
-    store = Store(path)
-    groups = aggregate(store.rows())
-    store.close()
-    return groups
+    return aggregate(read_rows(out_dir))
 
 
 def write_report(out_dir: Path, groups: dict[Group, list[Point]] | None = None) -> Path:

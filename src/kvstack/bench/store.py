@@ -106,3 +106,16 @@ class Store:
 
 def astuple_cell(cell: Cell) -> tuple[Any, ...]:
     return tuple(getattr(cell, k) for k in CELL)
+
+
+def read_rows(out_dir: Path) -> list[dict[str, Any]]:
+    """Every row of a benchmark folder's store, or a one-line error saying how to get them."""
+    from kvstack.errors import UserError
+
+    path = out_dir / "results.sqlite"
+    if not path.exists():
+        raise UserError(f"no results in {out_dir}: run `kvstack bench --out {out_dir}` first")
+    store = Store(path)
+    rows = list(store.rows())
+    store.close()
+    return rows

@@ -1,0 +1,128 @@
+"""One method against the best other stack at each budget, with how sure the difference is.
+
+A sweep's cells hold 3 to 30 samples each; one needle found or missed moves a task's mean by
+1/samples, and the best of several stacks at a budget is partly the luckiest. So a comparison
+pairs the two stacks' answers to the same questions (same task, sample and question) and
+gives the mean difference over the tasks with a 95% paired bootstrap interval: the samples of
+each task redrawn with replacement, `DRAWS` times. The rival is chosen on the same rows, which
+favours it: an interval that holds 0 says the sweep cannot tell the two apart.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+DRAWS = 2000
+Key = tuple[str, str, int]  # model, mode, length: a group of comparable cells
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """`method` against `rival` at `budget` of one group: their means over `tasks` (each task's
+    mean, then the mean of those), the difference and its 95% interval, `pairs` questions."""
+
+    group: Key
+    budget: str
+    method: str
+    rival: str
+    tasks: tuple[str, ...]
+    score: float
+    rival_score: float
+    low: float
+    high: float
+    pairs: int
+
+    @property
+    def difference(self) -> float:
+        return self.score - self.rival_score
+
+    @property
+    def verdict(self) -> str:
+        """In words: better or worse when the interval excludes 0; alike when every answer
+        scored the same; else the sweep cannot tell."""
+        if self.low == self.high == 0.0:
+            return "alike"
+        return "better" if self.low > 0 else "worse" if self.high < 0 else "cannot tell"
+
+
+Pairs = dict[str, list[tuple[float, float]]]  # per task, (method's score, rival's) per question
+
+
+def paired(scores: dict[str, dict[tuple[int, int], float]], a: str, b: str, tasks: Iterable[str]) -> Pairs:
+    """Per task, the (a, b) scores of the questions both stacks answered; scores: per
+    "stack|task", the score of each (sample, question)."""
+    out: Pairs = {}
+    for task in tasks:
+        mine, theirs = scores.get(f"{a}|{task}", {}), scores.get(f"{b}|{task}", {})
+        out[task] = [(mine[k], theirs[k]) for k in sorted(mine.keys() & theirs.keys())]
+    return out
+
+
+def task_mean(pairs: Pairs, side: int) -> float:
+    """The mean over tasks of each task's mean score on one side (0: the method, 1: the rival)."""
+    return statistics.fmean(statistics.fmean(p[side] for p in rows) for rows in pairs.values())
+
+
+def interval(pairs: Pairs, draws: int = DRAWS, seed: int = 0) -> tuple[float, float]:
+    """95% paired bootstrap interval of the difference of `task_mean`s: each task's questions
+    redrawn with replacement, the pairs kept together."""
+    rng = random.Random(seed)
+    diffs = {task: [a - b for a, b in rows] for task, rows in pairs.items()}
+    means = []
+    for _ in range(draws):
+        means.append(statistics.fmean(statistics.fmean(rng.choices(d, k=len(d))) for d in diffs.values()))
+    means.sort()
+    return means[int(0.025 * (draws - 1))], means[int(0.975 * (draws - 1))]
+
+
+def compare(rows: Iterable[dict[str, Any]], method: str, within: bool = True) -> list[Comparison]:
+    """Per group and budget where `method` ran, it against the other stack (not the full cache)
+    with the best mean over the tasks both ran on every question; with `within`, only stacks
+    whose context bytes fit the budget (the fidelity rows' kv_ratio, when the sweep has them)."""
+    scores: dict[Key, dict[str, dict[str, dict[tuple[int, int], float]]]] = defaultdict(lambda: defaultdict(dict))
+    ratios: dict[tuple[Key, str, str], list[float]] = defaultdict(list)
+    for r in rows:
+        group = (r["model"], r["mode"], r["length"])
+        scores[group][r["budget"]].setdefault(f"{r['method']}|{r['task']}", {})[(r["sample"], r["question"])] = float(
+            r["score"]
+        )
+        if r["task"] == "fidelity" and r["kv_ratio"] is not None:
+            ratios[(group, r["budget"], r["method"])].append(float(r["kv_ratio"]))
+    out = []
+    for group in sorted(scores):
+        for budget, cells in sorted(scores[group].items(), key=lambda kv: -_fraction(kv[0])):
+            tasks = sorted({k.split("|", 1)[1] for k in cells if k.startswith(f"{method}|")})
+            if not tasks or budget == "1":
+                continue
+            best: tuple[float, str, Pairs] | None = None
+            for rival in sorted({k.split("|", 1)[0] for k in cells} - {method, "full"}):
+                pairs = paired(cells, method, rival, tasks)
+                if any(not p for p in pairs.values()):
+                    continue  # refused, or not run on every task
+                held = ratios.get((group, budget, rival))
+                if within and held and max(held) > _fraction(budget) * 1.001:
+                    continue
+                mean = task_mean(pairs, 1)
+                if best is None or mean > best[0]:
+                    best = (mean, rival, pairs)
+            if best is None:
+                continue
+            _, rival, pairs = best
+            low, high = interval(pairs)
+            count = sum(len(p) for p in pairs.values())
+            means = task_mean(pairs, 0), task_mean(pairs, 1)
+            out.append(Comparison(group, budget, method, rival, tuple(tasks), *means, low, high, count))
+    return out
+
+
+def _fraction(budget: str) -> float:
+    """A budget's fraction for ordering and fitting ('0.125'); other budgets (tokens, sizes) as 1."""
+    try:
+        return float(budget)
+    except ValueError:
+        return 1.0

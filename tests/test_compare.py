@@ -1,0 +1,80 @@
+"""`kvstack compare`: a stack against the best other at each budget, paired on the same
+questions, with a bootstrap interval that says when a sweep cannot tell them apart."""
+
+import pytest
+from typer.testing import CliRunner
+
+from kvstack.bench.compare import compare, interval, paired, task_mean
+from kvstack.bench.store import Cell, Row, Store
+from kvstack.cli import app
+
+
+def rows(method, budget, task, scores, ratio=None):
+    return [
+        {
+            "model": "m",
+            "mode": "agnostic",
+            "length": 2048,
+            "method": method,
+            "budget": budget,
+            "task": task,
+            "sample": i,
+            "question": 0,
+            "score": s,
+            "kv_ratio": ratio,
+        }
+        for i, s in enumerate(scores)
+    ]
+
+
+def test_pairs_are_the_questions_both_answered_and_means_are_per_task_first():
+    scores = {"a|qa": {(0, 0): 1.0, (1, 0): 0.0, (2, 0): 1.0}, "b|qa": {(0, 0): 0.0, (2, 0): 0.0}, "a|x": {}}
+    pairs = paired(scores, "a", "b", ["qa"])
+    assert pairs == {"qa": [(1.0, 0.0), (1.0, 0.0)]}  # sample 1: b has no answer
+    two = {"qa": [(1.0, 0.0), (0.0, 0.0)], "fidelity": [(0.5, 0.25)]}
+    assert task_mean(two, 0) == pytest.approx((0.5 + 0.5) / 2)  # qa 0.5, fidelity 0.5
+    assert task_mean(two, 1) == pytest.approx((0.0 + 0.25) / 2)
+
+
+def test_the_interval_of_a_constant_difference_is_that_difference_and_widens_with_noise():
+    same = {"qa": [(1.0, 0.75)] * 10}
+    assert interval(same) == pytest.approx((0.25, 0.25))
+    noisy = {"qa": [(1.0, 0.0)] * 5 + [(0.0, 1.0)] * 5}
+    low, high = interval(noisy)
+    assert low < 0 < high  # five wins and five losses: no verdict
+
+
+def test_compare_takes_the_best_rival_that_fits_the_budget():
+    data = (
+        rows("auto", "0.25", "qa", [1, 1, 1, 1, 0, 0, 0, 0, 0, 0])
+        + rows("auto", "0.25", "fidelity", [0.8] * 10, ratio=0.24)
+        + rows("good", "0.25", "qa", [1, 1, 1, 1, 1, 0, 0, 0, 0, 0])  # the best that fits
+        + rows("good", "0.25", "fidelity", [0.8] * 10, ratio=0.25)
+        + rows("weak", "0.25", "qa", [0] * 10)
+        + rows("weak", "0.25", "fidelity", [0.5] * 10, ratio=0.2)
+        + rows("fat", "0.25", "qa", [1] * 10)  # holds more than the budget
+        + rows("fat", "0.25", "fidelity", [1.0] * 10, ratio=0.3)
+        + rows("half", "0.25", "qa", [1] * 10)  # ran one task of two (refused the other)
+        + rows("full", "1", "qa", [1] * 10)
+    )
+    (c,) = compare(data, "auto")
+    assert (c.budget, c.rival, c.tasks, c.pairs) == ("0.25", "good", ("fidelity", "qa"), 20)
+    assert c.score == pytest.approx((0.4 + 0.8) / 2) and c.rival_score == pytest.approx((0.5 + 0.8) / 2)
+    assert c.low < c.difference < c.high and c.verdict == "cannot tell"  # one question of ten
+    (over,) = compare(data, "auto", within=False)
+    assert over.rival == "fat" and over.verdict == "worse"  # every qa answer lost, fidelity lower
+
+
+def test_the_command_prints_the_comparison_and_names_an_unknown_method(tmp_path):
+    store = Store(tmp_path / "results.sqlite")
+    for method, scores in (("auto", [1.0] * 6), ("kvzip", [0.0] * 6)):
+        for i, s in enumerate(scores):
+            store.add(Row(Cell("m", method, "0.125", "agnostic", "niah_single", 2048), i, 0, s, "", ()))
+    store.close()
+    result = CliRunner().invoke(app, ["compare", str(tmp_path)], terminal_width=160)
+    assert result.exit_code == 0, result.stderr
+    assert "kvzip" in result.stdout and "+1.000" in result.stdout and "better" in result.stdout
+    result = CliRunner().invoke(app, ["compare", str(tmp_path), "--method", "autp"])
+    assert result.exit_code == 2 and "did you mean auto" in result.stderr and "Traceback" not in result.stderr
+    result = CliRunner().invoke(app, ["compare", str(tmp_path / "nothing")])
+    assert result.exit_code == 2 and "run `kvstack bench" in result.stderr
