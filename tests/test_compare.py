@@ -28,7 +28,11 @@ def rows(method, budget, task, scores, ratio=None):
 
 
 def test_pairs_are_the_questions_both_answered_and_means_are_per_task_first():
-    scores = {"a|qa": {(0, 0): 1.0, (1, 0): 0.0, (2, 0): 1.0}, "b|qa": {(0, 0): 0.0, (2, 0): 0.0}, "a|x": {}}
+    scores = {
+        ("a", "qa"): {(0, 0): 1.0, (1, 0): 0.0, (2, 0): 1.0},
+        ("b", "qa"): {(0, 0): 0.0, (2, 0): 0.0},
+        ("a", "x"): {},
+    }
     pairs = paired(scores, "a", "b", ["qa"])
     assert pairs == {"qa": [(1.0, 0.0), (1.0, 0.0)]}  # sample 1: b has no answer
     two = {"qa": [(1.0, 0.0), (0.0, 0.0)], "fidelity": [(0.5, 0.25)]}

@@ -409,7 +409,6 @@ def _compare_tables(out_dir: Path, method: str, within: bool) -> list[Table]:
         for col in ("budget", method, "best other", "score", "diff", "95% interval", "verdict", "n"):
             table.add_column(col, no_wrap=col != "best other", overflow="fold")
         for c in mine:
-            verdict = c.verdict
             table.add_row(
                 c.budget,
                 f"{c.score:.3f}",
@@ -417,7 +416,7 @@ def _compare_tables(out_dir: Path, method: str, within: bool) -> list[Table]:
                 f"{c.rival_score:.3f}",
                 f"{c.difference:+.3f}",
                 f"{c.low:+.3f}..{c.high:+.3f}",
-                verdict,
+                c.verdict,
                 str(c.pairs),
             )
         tables.append(table)

@@ -51,14 +51,14 @@ class Comparison:
 
 
 Pairs = dict[str, list[tuple[float, float]]]  # per task, (method's score, rival's) per question
+Scores = dict[tuple[str, str], dict[tuple[int, int], float]]  # per (stack, task), per (sample, question)
 
 
-def paired(scores: dict[str, dict[tuple[int, int], float]], a: str, b: str, tasks: Iterable[str]) -> Pairs:
-    """Per task, the (a, b) scores of the questions both stacks answered; scores: per
-    "stack|task", the score of each (sample, question)."""
+def paired(scores: Scores, a: str, b: str, tasks: Iterable[str]) -> Pairs:
+    """Per task, the (a, b) scores of the questions both stacks answered."""
     out: Pairs = {}
     for task in tasks:
-        mine, theirs = scores.get(f"{a}|{task}", {}), scores.get(f"{b}|{task}", {})
+        mine, theirs = scores.get((a, task), {}), scores.get((b, task), {})
         out[task] = [(mine[k], theirs[k]) for k in sorted(mine.keys() & theirs.keys())]
     return out
 
@@ -84,23 +84,21 @@ def compare(rows: Iterable[dict[str, Any]], method: str, within: bool = True) ->
     """Per group and budget where `method` ran, it against the other stack (not the full cache)
     with the best mean over the tasks both ran on every question; with `within`, only stacks
     whose context bytes fit the budget (the fidelity rows' kv_ratio, when the sweep has them)."""
-    scores: dict[Key, dict[str, dict[str, dict[tuple[int, int], float]]]] = defaultdict(lambda: defaultdict(dict))
+    scores: dict[Key, dict[str, Scores]] = defaultdict(lambda: defaultdict(lambda: defaultdict(dict)))
     ratios: dict[tuple[Key, str, str], list[float]] = defaultdict(list)
     for r in rows:
         group = (r["model"], r["mode"], r["length"])
-        scores[group][r["budget"]].setdefault(f"{r['method']}|{r['task']}", {})[(r["sample"], r["question"])] = float(
-            r["score"]
-        )
+        scores[group][r["budget"]][(r["method"], r["task"])][(r["sample"], r["question"])] = float(r["score"])
         if r["task"] == "fidelity" and r["kv_ratio"] is not None:
             ratios[(group, r["budget"], r["method"])].append(float(r["kv_ratio"]))
     out = []
     for group in sorted(scores):
         for budget, cells in sorted(scores[group].items(), key=lambda kv: -_fraction(kv[0])):
-            tasks = sorted({k.split("|", 1)[1] for k in cells if k.startswith(f"{method}|")})
+            tasks = sorted({task for stack, task in cells if stack == method})
             if not tasks or budget == "1":
                 continue
             best: tuple[float, str, Pairs] | None = None
-            for rival in sorted({k.split("|", 1)[0] for k in cells} - {method, "full"}):
+            for rival in sorted({stack for stack, _ in cells} - {method, "full"}):
                 pairs = paired(cells, method, rival, tasks)
                 if any(not p for p in pairs.values()):
                     continue  # refused, or not run on every task

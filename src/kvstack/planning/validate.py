@@ -140,7 +140,8 @@ def validation_rows(model: Any, rows: int, length: int, skip: int) -> list[torch
 
     encode = getattr(model, "_kvstack_encode", None)
     prose = calibration_ids(model, rows, length, skip=skip)
-    return [filler_ids(model, encode, length) if r % 2 and encode else row for r, row in enumerate(prose)]
+    filler = filler_ids(model, encode, length) if encode else None  # the same ids for every filler row
+    return [filler if r % 2 and filler is not None else row for r, row in enumerate(prose)]
 
 
 def filler_ids(model: Any, encode: Callable[[str], list[int]], length: int) -> torch.Tensor:
