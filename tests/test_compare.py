@@ -82,3 +82,9 @@ def test_the_command_prints_the_comparison_and_names_an_unknown_method(tmp_path)
     assert result.exit_code == 2 and "did you mean auto" in result.stderr and "Traceback" not in result.stderr
     result = CliRunner().invoke(app, ["compare", str(tmp_path / "nothing")])
     assert result.exit_code == 2 and "run `kvstack bench" in result.stderr
+
+
+def test_an_empty_sweep_says_how_to_fill_it(tmp_path):
+    Store(tmp_path / "results.sqlite").close()
+    result = CliRunner().invoke(app, ["compare", str(tmp_path)])
+    assert result.exit_code == 2 and "holds no answers yet" in result.stderr and "kvstack bench" in result.stderr

@@ -394,6 +394,8 @@ def _compare_tables(out_dir: Path, method: str, within: bool) -> list[Table]:
 
     rows = read_rows(out_dir)
     names = sorted({r["method"] for r in rows})
+    if not names:
+        raise UserError(f"{out_dir} holds no answers yet: run `kvstack bench --out {out_dir}` first")
     if method not in names:
         raise unknown_name("method in this sweep", method, names)
     found = comparisons(rows, method, within)
