@@ -412,6 +412,30 @@ def test_a_candidate_that_keeps_the_full_cache_moves_nothing(llama, monkeypatch)
     assert bool((out[..., 0] == 0).all()) and bool((out[..., 1] == 1).all())  # no KL, every top-1 agrees
 
 
+def test_candidates_executing_the_same_stack_are_run_once_with_the_same_result(llama, monkeypatch):
+    from kvstack.planning import validate
+
+    stage = Stack.parse("auto(tokens=128, samples=1, validate=1, scorers=('snapkv',), bits=('16', '4'))").stages[0]
+    curves = stage.prepare(llama).curves
+    monkeypatch.setattr(validate, "GRID", (0.5, 0.25))
+    layout = stage.layout(llama, llama.dtype.itemsize, Budget.parse(1.0))
+    first = stage.choices[0]
+
+    def fresh(fraction, choice):  # a new stack per call: every candidate is run
+        return Stack((type(stage).executing(stage.solve(curves, first, fraction, layout)),))
+
+    shared = {fraction: fresh(fraction, first) for fraction in validate.GRID}
+    runs = []
+    probe_table = validate._probe_table
+    monkeypatch.setattr(validate, "_probe_table", lambda *a: runs.append(a[1]) or probe_table(*a))
+    apart = validate.losses(llama, fresh, stage.choices, 1, 1, 128, stage.needs, stage.query_window)
+    assert len(runs) == 2 * len(stage.choices)
+    runs.clear()
+    once = validate.losses(llama, lambda f, c: shared[f], stage.choices, 1, 1, 128, stage.needs, stage.query_window)
+    assert runs == [shared[0.5], shared[0.25]]  # one run per budget
+    assert torch.equal(once, apart) and bool(torch.isfinite(once).all())
+
+
 def test_auto_executes_the_candidate_validated_best_at_the_nearest_budget(llama):
     from kvstack.methods.auto import Calibration
 

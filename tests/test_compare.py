@@ -59,6 +59,8 @@ def test_compare_takes_the_best_rival_that_fits_the_budget():
         + rows("fat", "0.25", "qa", [1] * 10)  # holds more than the budget
         + rows("fat", "0.25", "fidelity", [1.0] * 10, ratio=0.3)
         + rows("half", "0.25", "qa", [1] * 10)  # ran one task of two (refused the other)
+        + rows("auto(validate=0)", "0.25", "qa", [1] * 10)  # the method itself, other settings
+        + rows("auto(validate=0)", "0.25", "fidelity", [1.0] * 10, ratio=0.2)
         + rows("full", "1", "qa", [1] * 10)
     )
     (c,) = compare(data, "auto")

@@ -81,9 +81,10 @@ def interval(pairs: Pairs, draws: int = DRAWS, seed: int = 0) -> tuple[float, fl
 
 
 def compare(rows: Iterable[dict[str, Any]], method: str, within: bool = True) -> list[Comparison]:
-    """Per group and budget where `method` ran, it against the other stack (not the full cache)
-    with the best mean over the tasks both ran on every question; with `within`, only stacks
-    whose context bytes fit the budget (the fidelity rows' kv_ratio, when the sweep has them)."""
+    """Per group and budget where `method` ran, it against the other stack (not the full cache,
+    nor the method with other settings: `auto(validate=0)` is no rival to `auto`) with the best
+    mean over the tasks both ran on every question; with `within`, only stacks whose context
+    bytes fit the budget (the fidelity rows' kv_ratio, when the sweep has them)."""
     scores: dict[Key, dict[str, Scores]] = defaultdict(lambda: defaultdict(lambda: defaultdict(dict)))
     ratios: dict[tuple[Key, str, str], list[float]] = defaultdict(list)
     for r in rows:
@@ -99,6 +100,8 @@ def compare(rows: Iterable[dict[str, Any]], method: str, within: bool = True) ->
                 continue
             best: tuple[float, str, Pairs] | None = None
             for rival in sorted({stack for stack, _ in cells} - {method, "full"}):
+                if rival.startswith(f"{method}("):
+                    continue
                 pairs = paired(cells, method, rival, tasks)
                 if any(not p for p in pairs.values()):
                     continue  # refused, or not run on every task

@@ -20,6 +20,7 @@ measured (docs/measurements). The plan is decided at the first compression;
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass, field, replace
 from functools import cache, cached_property
 from typing import Any
@@ -58,7 +59,7 @@ class Auto(Method):
     uniform: float = 0.8
     samples: int = 2
     tokens: int = 2048
-    validate: int = 4
+    validate: int = 8
     mix: bool = False
     plan: str = ""
     every: int = field(default=16, kw_only=True)
@@ -166,9 +167,13 @@ class Auto(Method):
             return Calibration(curves, None)
 
         def check(m: Any) -> torch.Tensor:
+            decided: dict[str, Stack] = {}  # one stack per distinct decision: `losses` runs it once
+
             @cache  # the same decision for every validation row
             def stack_of(fraction: float, choice: Candidate) -> Stack:
-                return Stack((Auto.executing(self.solve(curves, choice, fraction, layout)),))
+                plan = self.solve(curves, choice, fraction, layout)
+                same = json.dumps([fraction, plan.scorers, plan.storages, plan.shares, plan.uniform])
+                return decided.setdefault(same, Stack((Auto.executing(plan),)))
 
             rows, total = self.validate, self.validate * (1 + len(validation.GRID) * len(self.choices))
             with Ticker("auto: validating candidate stacks", total, after=0.0) as ticker:
