@@ -247,15 +247,16 @@ def losses(
         if ticker is not None:
             ticker.advance()
         for g, fraction in enumerate(GRID):
-            ran: dict[int, torch.Tensor] = {}  # per stack executed at this budget, its table
+            ran: dict[int, torch.Tensor | None] = {}  # per stack run at this budget: its table, None if refused
             for c, choice in enumerate(choices):
                 stack = stack_of(fraction, choice)
                 if id(stack) not in ran:
                     ran[id(stack)] = _probe_table(source, stack, fraction, follow, ones, keep, reference, at)
-                if torch.isinf(ran[id(stack)]).any():
+                table = ran[id(stack)]
+                if table is None:
                     out[g, c, :, 0] = math.inf
                 else:
-                    out[g, c] += ran[id(stack)] / rows
+                    out[g, c] += table / rows
                 if ticker is not None:
                     ticker.advance()
     assert out is not None
@@ -271,9 +272,9 @@ def _probe_table(
     keep: torch.Tensor,
     reference: torch.Tensor,
     at: tuple[torch.Tensor, ...],
-) -> torch.Tensor:
+) -> torch.Tensor | None:
     """(P, 2) `per_probe` of `stack` forked from the full cache `source` at `fraction` and fed the
-    probes `follow` (1, k), against the full cache's log-probabilities; inf where it is refused."""
+    probes `follow` (1, k), against the full cache's log-probabilities; None when it is refused."""
     from kvstack.generate import divergence
 
     try:
@@ -281,4 +282,4 @@ def _probe_table(
         logp = torch.log_softmax(runner.forward(follow, ones, keep)[0], -1)
         return per_probe(*divergence(reference, logp), at).cpu()
     except UserError:
-        return torch.full((len(at), 2), math.inf, dtype=torch.float64)
+        return None
