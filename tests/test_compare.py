@@ -80,6 +80,7 @@ def test_the_command_prints_the_comparison_and_names_an_unknown_method(tmp_path)
     result = CliRunner().invoke(app, ["compare", str(tmp_path)], terminal_width=160)
     assert result.exit_code == 0, result.stderr
     assert "kvzip" in result.stdout and "+1.000" in result.stdout and "better" in result.stdout
+    assert "best on the other half of the samples" in " ".join(result.stdout.split())  # the held-out table
     result = CliRunner().invoke(app, ["compare", str(tmp_path), "--method", "autp"])
     assert result.exit_code == 2 and "did you mean auto" in result.stderr and "Traceback" not in result.stderr
     result = CliRunner().invoke(app, ["compare", str(tmp_path / "nothing")])
@@ -90,3 +91,24 @@ def test_an_empty_sweep_says_how_to_fill_it(tmp_path):
     Store(tmp_path / "results.sqlite").close()
     result = CliRunner().invoke(app, ["compare", str(tmp_path)])
     assert result.exit_code == 2 and "holds no answers yet" in result.stderr and "kvstack bench" in result.stderr
+
+
+def test_held_out_the_rival_of_each_half_is_chosen_on_the_other_half():
+    data = (
+        rows("auto", "0.25", "qa", [1, 0, 1, 0])
+        + rows("a", "0.25", "qa", [1, 1, 0, 0])  # even samples 0.5, odd 0.5
+        + rows("b", "0.25", "qa", [0, 1, 1, 1])  # even 0.5, odd 1.0: best on the same rows (0.75)
+    )
+    (same,) = compare(data, "auto")
+    assert (same.rival, same.rival_score) == ("b", 0.75)
+    (fair,) = compare(data, "auto", held_out=True)
+    # even samples meet b (best on the odd ones: 1.0 > 0.5): its 0 and 1; odd samples meet a
+    # (the even ones tie at 0.5, the first name wins): its 1 and 0
+    assert (fair.rival, fair.pairs) == ("b / a", 4)
+    assert fair.score == 0.5 and fair.rival_score == pytest.approx((0 + 1 + 1 + 0) / 4)
+
+
+def test_held_out_a_rival_that_answered_one_half_only_is_never_chosen():
+    data = rows("auto", "0.25", "qa", [1, 0]) + rows("a", "0.25", "qa", [1])  # a answered sample 0 only
+    assert [c.rival for c in compare(data, "auto")] == ["a"]
+    assert compare(data, "auto", held_out=True) == []  # chosen on sample 1 it cannot be; scored there, neither

@@ -14,6 +14,7 @@ from rich.table import Table
 from kvstack.errors import UserError
 
 if TYPE_CHECKING:
+    from kvstack.bench.compare import Comparison
     from kvstack.bench.report import Point
     from kvstack.bench.runner import Sweep
 
@@ -375,7 +376,8 @@ def compare(
     over: Annotated[bool, typer.Option("--over-budget", help="rivals may hold more bytes than the budget")] = False,
 ) -> None:
     """Per budget, METHOD against the best other stack of the sweep: mean over every task, the
-    difference and its 95% paired bootstrap interval (same questions, resampled)."""
+    difference and its 95% paired bootstrap interval (same questions, resampled); then against
+    the stack chosen on the other half of the samples, as a user picks one without the answers."""
     try:
         tables = _compare_tables(out_dir, method, not over)
     except UserError as e:
@@ -401,28 +403,40 @@ def _compare_tables(out_dir: Path, method: str, within: bool) -> list[Table]:
     found = comparisons(rows, method, within)
     if not found:
         raise UserError(f"{method} has no budget where another stack answered the same questions: run both")
+    fair = comparisons(rows, method, within, held_out=True)
     tables = []
     for group in sorted({c.group for c in found}):
         model, mode, length = group
-        mine = [c for c in found if c.group == group]
-        tasks = ", ".join(mine[0].tasks)
-        title = f"{model}, {tokens_label(length)}, query-{mode}: {method} against the best other stack"
-        table = Table(title=f"{title}{' within the budget' if within else ''} (mean over {tasks})")
-        for col in ("budget", method, "best other", "score", "diff", "95% interval", "verdict", "n"):
-            table.add_column(col, no_wrap=col != "best other", overflow="fold")
-        for c in mine:
-            table.add_row(
-                c.budget,
-                f"{c.score:.3f}",
-                c.rival,
-                f"{c.rival_score:.3f}",
-                f"{c.difference:+.3f}",
-                f"{c.low:+.3f}..{c.high:+.3f}",
-                c.verdict,
-                str(c.pairs),
+        for held_out, chosen in ((False, found), (True, fair)):
+            mine = [c for c in chosen if c.group == group]
+            if not mine:
+                continue
+            tasks = ", ".join(mine[0].tasks)
+            rival = "the stack best on the other half of the samples" if held_out else "the best other stack"
+            title = f"{model}, {tokens_label(length)}, query-{mode}: {method} against {rival}"
+            table = Table(title=f"{title}{' within the budget' if within else ''} (mean over {tasks})")
+            tables.append(
+                _comparison_table(table, method, mine, "chosen on the other half" if held_out else "best other")
             )
-        tables.append(table)
     return tables
+
+
+def _comparison_table(table: Table, method: str, mine: list[Comparison], rival: str) -> Table:
+    """`table` with a row per comparison: budget, both scores, the difference and its interval."""
+    for col in ("budget", method, rival, "score", "diff", "95% interval", "verdict", "n"):
+        table.add_column(col, no_wrap=col != rival, overflow="fold")
+    for c in mine:
+        table.add_row(
+            c.budget,
+            f"{c.score:.3f}",
+            c.rival,
+            f"{c.rival_score:.3f}",
+            f"{c.difference:+.3f}",
+            f"{c.low:+.3f}..{c.high:+.3f}",
+            c.verdict,
+            str(c.pairs),
+        )
+    return table
 
 
 def _report(out_dir: Path) -> Path:

@@ -5,7 +5,9 @@ A sweep's cells hold 3 to 30 samples each; one needle found or missed moves a ta
 pairs the two stacks' answers to the same questions (same task, sample and question) and
 gives the mean difference over the tasks with a 95% paired bootstrap interval: the samples of
 each task redrawn with replacement, `DRAWS` times. The rival is chosen on the same rows, which
-favours it: an interval that holds 0 says the sweep cannot tell the two apart.
+favours it: an interval that holds 0 says the sweep cannot tell the two apart. With `held_out`
+it is chosen as a user picks a stack, without the answers it is scored on: on each half of the
+samples (even, odd), the stack best on the other half (cross-fitting; the two may differ).
 """
 
 from __future__ import annotations
@@ -80,11 +82,14 @@ def interval(pairs: Pairs, draws: int = DRAWS, seed: int = 0) -> tuple[float, fl
     return means[int(0.025 * (draws - 1))], means[int(0.975 * (draws - 1))]
 
 
-def compare(rows: Iterable[dict[str, Any]], method: str, within: bool = True) -> list[Comparison]:
+def compare(
+    rows: Iterable[dict[str, Any]], method: str, within: bool = True, held_out: bool = False
+) -> list[Comparison]:
     """Per group and budget where `method` ran, it against the other stack (not the full cache,
     nor the method with other settings: `auto(validate=0)` is no rival to `auto`) with the best
     mean over the tasks both ran on every question; with `within`, only stacks whose context
-    bytes fit the budget (the fidelity rows' kv_ratio, when the sweep has them)."""
+    bytes fit the budget (the fidelity rows' kv_ratio, when the sweep has them); with
+    `held_out`, the best on the other half of the samples (`cross_fitted`)."""
     scores: dict[Key, dict[str, Scores]] = defaultdict(lambda: defaultdict(lambda: defaultdict(dict)))
     ratios: dict[tuple[Key, str, str], list[float]] = defaultdict(list)
     for r in rows:
@@ -95,30 +100,64 @@ def compare(rows: Iterable[dict[str, Any]], method: str, within: bool = True) ->
     out = []
     for group in sorted(scores):
         for budget, cells in sorted(scores[group].items(), key=lambda kv: -_fraction(kv[0])):
-            tasks = sorted({task for stack, task in cells if stack == method})
+            tasks = tuple(sorted({task for stack, task in cells if stack == method}))
             if not tasks or budget == "1":
                 continue
-            best: tuple[float, str, Pairs] | None = None
+            rivals = []
             for rival in sorted({stack for stack, _ in cells} - {method, "full"}):
-                if rival.startswith(f"{method}("):
-                    continue
-                pairs = paired(cells, method, rival, tasks)
-                if any(not p for p in pairs.values()):
-                    continue  # refused, or not run on every task
                 held = ratios.get((group, budget, rival))
-                if within and held and max(held) > _fraction(budget) * 1.001:
-                    continue
-                mean = task_mean(pairs, 1)
-                if best is None or mean > best[0]:
-                    best = (mean, rival, pairs)
-            if best is None:
+                fat = within and held and max(held) > _fraction(budget) * 1.001
+                if not rival.startswith(f"{method}(") and not fat:
+                    rivals.append(rival)
+            found = cross_fitted(cells, method, rivals, tasks) if held_out else best(cells, method, rivals, tasks)
+            if found is None:
                 continue
-            _, rival, pairs = best
+            rival, pairs = found
             low, high = interval(pairs)
             count = sum(len(p) for p in pairs.values())
             means = task_mean(pairs, 0), task_mean(pairs, 1)
-            out.append(Comparison(group, budget, method, rival, tuple(tasks), *means, low, high, count))
+            out.append(Comparison(group, budget, method, rival, tasks, *means, low, high, count))
     return out
+
+
+def best(scores: Scores, method: str, rivals: list[str], tasks: tuple[str, ...]) -> tuple[str, Pairs] | None:
+    """The rival with the best mean over `tasks` on the questions it and `method` both answered
+    (one that skipped a task, or was refused, is passed over), and those pairs; None if none."""
+    found: tuple[float, str, Pairs] | None = None
+    for rival in rivals:
+        pairs = paired(scores, method, rival, tasks)
+        if any(not p for p in pairs.values()):
+            continue
+        mean = task_mean(pairs, 1)
+        if found is None or mean > found[0]:
+            found = (mean, rival, pairs)
+    return None if found is None else found[1:]
+
+
+def half(scores: Scores, parity: int) -> Scores:
+    """The answers to the samples whose index has `parity` (0: even, 1: odd)."""
+    return {cell: {k: v for k, v in answers.items() if k[0] % 2 == parity} for cell, answers in scores.items()}
+
+
+def cross_fitted(scores: Scores, method: str, rivals: list[str], tasks: tuple[str, ...]) -> tuple[str, Pairs] | None:
+    """The rival chosen without its scored answers: on each half of the samples, `best` on the
+    other half, paired with `method` on this one; the pairs of both halves together, the name
+    `a / b` when the halves chose differently. None when no half has a rival chosen."""
+    names: list[str] = []
+    pairs: Pairs = {task: [] for task in tasks}
+    for parity in (0, 1):
+        chosen = best(half(scores, 1 - parity), method, rivals, tasks)
+        if chosen is None:
+            continue
+        scored = paired(half(scores, parity), method, chosen[0], tasks)
+        if any(not p for p in scored.values()):
+            continue
+        names.append(chosen[0])
+        for task in tasks:
+            pairs[task] += scored[task]
+    if not names:
+        return None
+    return " / ".join(dict.fromkeys(names)), pairs
 
 
 def _fraction(budget: str) -> float:
