@@ -112,3 +112,22 @@ def test_held_out_a_rival_that_answered_one_half_only_is_never_chosen():
     data = rows("auto", "0.25", "qa", [1, 0]) + rows("a", "0.25", "qa", [1])  # a answered sample 0 only
     assert [c.rival for c in compare(data, "auto")] == ["a"]
     assert compare(data, "auto", held_out=True) == []  # chosen on sample 1 it cannot be; scored there, neither
+
+
+def test_rows_from_two_machines_are_named_and_the_command_warns(tmp_path):
+    data = rows("auto", "0.25", "qa", [1, 0]) + rows("a", "0.25", "qa", [1, 1])
+    for r in data:
+        r["machine"] = "cpu X, torch 2" if r["method"] == "auto" else None  # the rival's: not recorded
+    (c,) = compare(data, "auto")
+    assert c.machines == ("a machine not recorded", "cpu X, torch 2")
+    (same,) = compare([{**r, "machine": "cpu X, torch 2"} for r in data], "auto")
+    assert same.machines == ("cpu X, torch 2",)
+    store = Store(tmp_path / "results.sqlite")
+    for method, scores in (("auto", [1.0] * 4), ("kvzip", [0.0] * 4)):
+        for i, s in enumerate(scores):
+            store.add(Row(Cell("m", method, "0.125", "agnostic", "niah_single", 2048), i, 0, s, "", ()))
+    store.db.execute("UPDATE results SET machine = 'elsewhere' WHERE method = 'kvzip'")
+    store.db.commit(), store.close()
+    result = CliRunner().invoke(app, ["compare", str(tmp_path)], terminal_width=160)
+    text = " ".join(result.stdout.split())
+    assert result.exit_code == 0 and "come from 2 machines" in text and "elsewhere" in text

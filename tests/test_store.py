@@ -50,3 +50,23 @@ def test_a_killed_writer_loses_nothing_it_finished(tmp_path):
             assert store.add(Row(CELL, i, 0, 1.0, "a", ("a",)))
     assert store.done(CELL) == {(i, 0) for i in range(n + 5)}
     assert sum(1 for _ in store.rows()) == n + 5  # nothing counted twice
+
+
+def test_rows_name_their_machine_and_an_older_store_gains_the_column(tmp_path):
+    import sqlite3
+
+    from kvstack.bench.store import SCHEMA, machine
+
+    path = tmp_path / "results.sqlite"
+    old = sqlite3.connect(path)  # a store written before rows named their machine
+    old.execute(SCHEMA.replace(", machine TEXT", ""))
+    old.execute(
+        "INSERT INTO results (model, method, budget, mode, task, length, sample, question, score, answer, refs, "
+        "created) VALUES ('m', 'snapkv', '0.25', 'agnostic', 'niah_single', 2048, 0, 0, 1.0, 'a', '[]', 0)"
+    )
+    old.commit(), old.close()
+    store = Store(path)
+    assert store.add(Row(CELL, 1, 0, 1.0, "a", ("a",)))
+    rows = {r["sample"]: r for r in store.rows()}
+    assert rows[0]["machine"] is None and rows[1]["machine"] == machine()
+    assert "torch" in machine() and machine() == machine()  # the CPU (or GPU) and torch's version, once

@@ -387,8 +387,10 @@ def compare(
         out.print(table)
 
 
-def _compare_tables(out_dir: Path, method: str, within: bool) -> list[Table]:
-    """Per group of the sweep, a table of `method` against the best other stack at each budget."""
+def _compare_tables(out_dir: Path, method: str, within: bool) -> list[Table | str]:
+    """Per group of the sweep, a table of `method` against the best other stack at each budget, one
+    against the stack chosen on the other half of the samples, and a note where rows come from
+    different machines."""
     from kvstack.bench.compare import compare as comparisons
     from kvstack.bench.report import tokens_label
     from kvstack.bench.store import read_rows
@@ -417,6 +419,15 @@ def _compare_tables(out_dir: Path, method: str, within: bool) -> list[Table]:
             table = Table(title=f"{title}{' within the budget' if within else ''} (mean over {tasks})")
             tables.append(
                 _comparison_table(table, method, mine, "chosen on the other half" if held_out else "best other")
+            )
+        mixed = [c for c in found + fair if c.group == group and len(c.machines) > 1]
+        if mixed:
+            names = sorted({m for c in mixed for m in c.machines})
+            budgets = ", ".join(dict.fromkeys(c.budget for c in mixed))
+            tables.append(
+                f"[yellow]note[/]: at {budgets} the rows compared come from "
+                f"{len(names)} machines ({'; '.join(names)}): answers can differ in the last bits, so re-run "
+                "both stacks in one sweep on one machine"
             )
     return tables
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 DRAWS = 2000
+UNKNOWN = "a machine not recorded"  # rows stored before the store named the machine
 Key = tuple[str, str, int]  # model, mode, length: a group of comparable cells
 
 
@@ -38,6 +39,7 @@ class Comparison:
     low: float
     high: float
     pairs: int
+    machines: tuple[str, ...] = ()  # what computed the two stacks' rows (`store.machine`)
 
     @property
     def difference(self) -> float:
@@ -92,9 +94,11 @@ def compare(
     `held_out`, the best on the other half of the samples (`cross_fitted`)."""
     scores: dict[Key, dict[str, Scores]] = defaultdict(lambda: defaultdict(lambda: defaultdict(dict)))
     ratios: dict[tuple[Key, str, str], list[float]] = defaultdict(list)
+    machines: dict[tuple[Key, str, str], set[str]] = defaultdict(set)
     for r in rows:
         group = (r["model"], r["mode"], r["length"])
         scores[group][r["budget"]][(r["method"], r["task"])][(r["sample"], r["question"])] = float(r["score"])
+        machines[(group, r["budget"], r["method"])].add(r.get("machine") or UNKNOWN)
         if r["task"] == "fidelity" and r["kv_ratio"] is not None:
             ratios[(group, r["budget"], r["method"])].append(float(r["kv_ratio"]))
     out = []
@@ -116,7 +120,8 @@ def compare(
             low, high = interval(pairs)
             count = sum(len(p) for p in pairs.values())
             means = task_mean(pairs, 0), task_mean(pairs, 1)
-            out.append(Comparison(group, budget, method, rival, tasks, *means, low, high, count))
+            ran = set().union(*(machines[(group, budget, m)] for m in (method, *rival.split(" / "))))
+            out.append(Comparison(group, budget, method, rival, tasks, *means, low, high, count, tuple(sorted(ran))))
     return out
 
 

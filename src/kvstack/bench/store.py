@@ -7,6 +7,7 @@ committed on its own (WAL journal), so a kill -9 loses at most the sample in fli
 
 from __future__ import annotations
 
+import functools
 import json
 import sqlite3
 import time
@@ -23,7 +24,7 @@ CREATE TABLE IF NOT EXISTS results (
   score REAL NOT NULL, partial REAL, answer TEXT NOT NULL, refs TEXT NOT NULL, kl REAL, ppl REAL,
   kv_bytes INTEGER, kv_bytes_full INTEGER, kv_ratio REAL,
   prefill_s REAL, compress_s REAL, decode_tokens_per_s REAL, peak_rss_mb REAL,
-  created REAL NOT NULL,
+  created REAL NOT NULL, machine TEXT,
   PRIMARY KEY (model, method, budget, mode, task, length, sample, question)
 )
 """
@@ -72,6 +73,9 @@ class Store:
         self.db = sqlite3.connect(path, timeout=60)
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute(SCHEMA)
+        columns = {r[1] for r in self.db.execute("PRAGMA table_info(results)")}
+        if "machine" not in columns:  # a store written before rows named their machine
+            self.db.execute("ALTER TABLE results ADD COLUMN machine TEXT")
         self.db.commit()
 
     def done(self, cell: Cell) -> set[tuple[int, int]]:
@@ -85,6 +89,7 @@ class Store:
         values = {**asdict(row.cell), **{f.name: getattr(row, f.name) for f in fields(Row) if f.name != "cell"}}
         values["refs"] = json.dumps(list(row.refs))
         values["created"] = time.time()
+        values["machine"] = machine()
         cols = ", ".join(values)
         marks = ", ".join("?" for _ in values)
         cur = self.db.execute(f"INSERT OR IGNORE INTO results ({cols}) VALUES ({marks})", tuple(values.values()))
@@ -102,6 +107,27 @@ class Store:
 
     def close(self) -> None:
         self.db.close()
+
+
+@functools.cache
+def machine() -> str:
+    """What computed a row, as far as its last bits go: the CPU (or GPU), torch's kernels for it
+    and torch's version. Under one stack and budget, SmolLM2's answers to 20 multi-key needles
+    differed in 3 between an earlier machine and a 2-core AMD EPYC (AVX512-BF16)."""
+    import platform
+
+    import torch
+
+    if torch.cuda.is_available():
+        return f"{torch.cuda.get_device_name()}, torch {torch.__version__}"
+    name = platform.processor() or platform.machine()
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+        name = next(line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name"))
+        amx = " AMX" if "amx_bf16" in info else ""
+    except (OSError, StopIteration):
+        amx = ""
+    return f"{name} ({torch.backends.cpu.get_cpu_capability()}{amx}), torch {torch.__version__}"
 
 
 def astuple_cell(cell: Cell) -> tuple[Any, ...]:
