@@ -116,18 +116,20 @@ def compare(
             found = cross_fitted(cells, method, rivals, tasks) if held_out else best(cells, method, rivals, tasks)
             if found is None:
                 continue
-            rival, pairs = found
+            stacks, pairs = found
             low, high = interval(pairs)
             count = sum(len(p) for p in pairs.values())
             means = task_mean(pairs, 0), task_mean(pairs, 1)
-            ran = set().union(*(machines[(group, budget, m)] for m in (method, *rival.split(" / "))))
+            ran = set().union(*(machines[(group, budget, m)] for m in (method, *stacks)))
+            rival = " / ".join(stacks)
             out.append(Comparison(group, budget, method, rival, tasks, *means, low, high, count, tuple(sorted(ran))))
     return out
 
 
-def best(scores: Scores, method: str, rivals: list[str], tasks: tuple[str, ...]) -> tuple[str, Pairs] | None:
+def best(scores: Scores, method: str, rivals: list[str], tasks: tuple[str, ...]) -> tuple[tuple[str], Pairs] | None:
     """The rival with the best mean over `tasks` on the questions it and `method` both answered
-    (one that skipped a task, or was refused, is passed over), and those pairs; None if none."""
+    (one that skipped a task, or was refused, is passed over), as a 1-tuple, and those pairs;
+    None if none."""
     found: tuple[float, str, Pairs] | None = None
     for rival in rivals:
         pairs = paired(scores, method, rival, tasks)
@@ -136,7 +138,7 @@ def best(scores: Scores, method: str, rivals: list[str], tasks: tuple[str, ...])
         mean = task_mean(pairs, 1)
         if found is None or mean > found[0]:
             found = (mean, rival, pairs)
-    return None if found is None else found[1:]
+    return None if found is None else ((found[1],), found[2])
 
 
 def half(scores: Scores, parity: int) -> Scores:
@@ -144,25 +146,28 @@ def half(scores: Scores, parity: int) -> Scores:
     return {cell: {k: v for k, v in answers.items() if k[0] % 2 == parity} for cell, answers in scores.items()}
 
 
-def cross_fitted(scores: Scores, method: str, rivals: list[str], tasks: tuple[str, ...]) -> tuple[str, Pairs] | None:
+def cross_fitted(
+    scores: Scores, method: str, rivals: list[str], tasks: tuple[str, ...]
+) -> tuple[tuple[str, ...], Pairs] | None:
     """The rival chosen without its scored answers: on each half of the samples, `best` on the
-    other half, paired with `method` on this one; the pairs of both halves together, the name
-    `a / b` when the halves chose differently. None when no half has a rival chosen."""
+    other half, paired with `method` on this one; the stacks chosen (one or two, the halves may
+    differ) and the pairs of both halves together. None when no half has a rival chosen."""
     names: list[str] = []
     pairs: Pairs = {task: [] for task in tasks}
     for parity in (0, 1):
         chosen = best(half(scores, 1 - parity), method, rivals, tasks)
         if chosen is None:
             continue
-        scored = paired(half(scores, parity), method, chosen[0], tasks)
+        (name,), _ = chosen
+        scored = paired(half(scores, parity), method, name, tasks)
         if any(not p for p in scored.values()):
             continue
-        names.append(chosen[0])
+        names.append(name)
         for task in tasks:
             pairs[task] += scored[task]
     if not names:
         return None
-    return " / ".join(dict.fromkeys(names)), pairs
+    return tuple(dict.fromkeys(names)), pairs
 
 
 def _fraction(budget: str) -> float:
