@@ -131,3 +131,25 @@ def test_rows_from_two_machines_are_named_and_the_command_warns(tmp_path):
     result = CliRunner().invoke(app, ["compare", str(tmp_path)], terminal_width=160)
     text = " ".join(result.stdout.split())
     assert result.exit_code == 0 and "come from 2 machines" in text and "elsewhere" in text
+
+
+def test_piped_into_a_file_a_row_stays_on_one_line(tmp_path):
+    """Without a terminal (a log, `| less`) rich would wrap the table at 80 columns, a long stack
+    name over seven lines; kvstack prints up to 160."""
+    import os
+    import subprocess
+    import sys
+
+    long = "adakv(kvzip)+adaquant(residual=32)"
+    store = Store(tmp_path / "results.sqlite")
+    for method, scores in (("auto", [1.0] * 4), (long, [0.0] * 4)):
+        for i, s in enumerate(scores):
+            store.add(Row(Cell("m", method, "0.125", "agnostic", "niah_single", 2048), i, 0, s, "", ()))
+    store.close()
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    code = "from kvstack.cli import app; app()"
+    done = subprocess.run(
+        [sys.executable, "-c", code, "compare", str(tmp_path)], capture_output=True, text=True, env=env
+    )
+    assert done.returncode == 0, done.stderr
+    assert any(long in line and "+1.000" in line for line in done.stdout.splitlines())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -24,7 +25,8 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     help="Stackable KV-cache compression for Hugging Face causal LMs, memory really freed.",
 )
-out = Console()
+# piped into a file or a log, tables keep their rows on one line (rich would wrap them at 80 columns)
+out = Console(width=None if sys.stdout.isatty() or "COLUMNS" in os.environ else 160)
 DEFAULT = "smollm2-135m"
 AGNOSTIC_HELP = "compress the context before the question is seen (reusable context)"
 err = Console(stderr=True)
