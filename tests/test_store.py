@@ -70,3 +70,32 @@ def test_rows_name_their_machine_and_an_older_store_gains_the_column(tmp_path):
     rows = {r["sample"]: r for r in store.rows()}
     assert rows[0]["machine"] is None and rows[1]["machine"] == machine()
     assert "torch" in machine() and machine() == machine()  # the CPU (or GPU) and torch's version, once
+
+
+def test_reading_a_store_leaves_its_file_as_it_was(tmp_path):
+    """`kvstack compare` and `report` read a committed store (docs/measurements) without switching
+    its journal or adding the machine column, so the tracked file does not change; one that is
+    not a store is a one-line error."""
+    import hashlib
+    import sqlite3
+
+    import pytest
+
+    from kvstack.bench.store import SCHEMA, read_rows
+    from kvstack.errors import UserError
+
+    path = tmp_path / "results.sqlite"
+    old = sqlite3.connect(path)  # an older store, in the rollback journal a committed copy is left in
+    old.execute(SCHEMA.replace(", machine TEXT", ""))
+    old.execute(
+        "INSERT INTO results (model, method, budget, mode, task, length, sample, question, score, answer, refs, "
+        "created) VALUES ('m', 'snapkv', '0.25', 'agnostic', 'niah_single', 2048, 0, 0, 1.0, 'a', '[\"a\"]', 0)"
+    )
+    old.commit(), old.close()
+    before = hashlib.sha256(path.read_bytes()).hexdigest()
+    (row,) = read_rows(tmp_path)
+    assert row["refs"] == ["a"] and "machine" not in row
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == before and sorted(os.listdir(tmp_path)) == [path.name]
+    path.write_text("not a database")
+    with pytest.raises(UserError, match="not a kvstack results store"):
+        read_rows(tmp_path)

@@ -98,12 +98,7 @@ class Store:
 
     def rows(self) -> Iterator[dict[str, Any]]:
         """Every stored row as a dict (refs decoded)."""
-        cur = self.db.execute("SELECT * FROM results ORDER BY model, task, length, mode, method, budget, sample")
-        names = [d[0] for d in cur.description]
-        for values in cur:
-            row = dict(zip(names, values, strict=True))
-            row["refs"] = json.loads(row["refs"])
-            yield row
+        return stored_rows(self.db)
 
     def close(self) -> None:
         self.db.close()
@@ -141,7 +136,20 @@ def read_rows(out_dir: Path) -> list[dict[str, Any]]:
     path = out_dir / "results.sqlite"
     if not path.exists():
         raise UserError(f"no results in {out_dir}: run `kvstack bench --out {out_dir}` first")
-    store = Store(path)
-    rows = list(store.rows())
-    store.close()
-    return rows
+    db = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, timeout=60)  # a reader never writes
+    try:
+        return list(stored_rows(db))
+    except sqlite3.DatabaseError as err:
+        raise UserError(f"{path} is not a kvstack results store ({err}): give a folder `kvstack bench` wrote") from None
+    finally:
+        db.close()
+
+
+def stored_rows(db: sqlite3.Connection) -> Iterator[dict[str, Any]]:
+    """Every row of a results table as a dict (refs decoded; `machine` absent from older stores)."""
+    cur = db.execute("SELECT * FROM results ORDER BY model, task, length, mode, method, budget, sample")
+    names = [d[0] for d in cur.description]
+    for values in cur:
+        row = dict(zip(names, values, strict=True))
+        row["refs"] = json.loads(row["refs"])
+        yield row
