@@ -27,6 +27,15 @@ def rows(method, budget, task, scores, ratio=None):
     ]
 
 
+def stored(path, scores_by_method):
+    """A results store at `path` with one niah_single answer per score, per method (open)."""
+    store = Store(path / "results.sqlite")
+    for method, scores in scores_by_method.items():
+        for i, s in enumerate(scores):
+            store.add(Row(Cell("m", method, "0.125", "agnostic", "niah_single", 2048), i, 0, s, "", ()))
+    return store
+
+
 def test_pairs_are_the_questions_both_answered_and_means_are_per_task_first():
     scores = {
         ("a", "qa"): {(0, 0): 1.0, (1, 0): 0.0, (2, 0): 1.0},
@@ -72,11 +81,7 @@ def test_compare_takes_the_best_rival_that_fits_the_budget():
 
 
 def test_the_command_prints_the_comparison_and_names_an_unknown_method(tmp_path):
-    store = Store(tmp_path / "results.sqlite")
-    for method, scores in (("auto", [1.0] * 6), ("kvzip", [0.0] * 6)):
-        for i, s in enumerate(scores):
-            store.add(Row(Cell("m", method, "0.125", "agnostic", "niah_single", 2048), i, 0, s, "", ()))
-    store.close()
+    stored(tmp_path, {"auto": [1.0] * 6, "kvzip": [0.0] * 6}).close()
     result = CliRunner().invoke(app, ["compare", str(tmp_path)], terminal_width=160)
     assert result.exit_code == 0, result.stderr
     assert "kvzip" in result.stdout and "+1.000" in result.stdout and "better" in result.stdout
@@ -122,10 +127,7 @@ def test_rows_from_two_machines_are_named_and_the_command_warns(tmp_path):
     assert c.machines == ("a machine not recorded", "cpu X, torch 2")
     (same,) = compare([{**r, "machine": "cpu X, torch 2"} for r in data], "auto")
     assert same.machines == ("cpu X, torch 2",)
-    store = Store(tmp_path / "results.sqlite")
-    for method, scores in (("auto", [1.0] * 4), ("kvzip", [0.0] * 4)):
-        for i, s in enumerate(scores):
-            store.add(Row(Cell("m", method, "0.125", "agnostic", "niah_single", 2048), i, 0, s, "", ()))
+    store = stored(tmp_path, {"auto": [1.0] * 4, "kvzip": [0.0] * 4})
     store.db.execute("UPDATE results SET machine = 'elsewhere' WHERE method = 'kvzip'")
     store.db.commit(), store.close()
     result = CliRunner().invoke(app, ["compare", str(tmp_path)], terminal_width=160)
@@ -141,11 +143,7 @@ def test_piped_into_a_file_a_row_stays_on_one_line(tmp_path):
     import sys
 
     long = "adakv(kvzip)+adaquant(residual=32)"
-    store = Store(tmp_path / "results.sqlite")
-    for method, scores in (("auto", [1.0] * 4), (long, [0.0] * 4)):
-        for i, s in enumerate(scores):
-            store.add(Row(Cell("m", method, "0.125", "agnostic", "niah_single", 2048), i, 0, s, "", ()))
-    store.close()
+    stored(tmp_path, {"auto": [1.0] * 4, long: [0.0] * 4}).close()
     env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
     code = "from kvstack.cli import app; app()"
     done = subprocess.run(
