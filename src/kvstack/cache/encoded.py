@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kvstack.cache.packing import pack, packed_size, unpack
+from kvstack.cache.packing import pack, packed_size, unpack_float
 
 META_DTYPE = torch.float16  # scales and zeros, as KIVI stores them
 
@@ -48,6 +48,11 @@ class Codec:
         """(b, n, d) in the encoded tensor's dtype."""
         raise NotImplementedError
 
+    def decode_as(self, enc: Encoded, dtype: torch.dtype) -> torch.Tensor:
+        """(b, n, d) in `dtype` (attention reads float32: a codec computing in it can skip a
+        round trip through the model's dtype)."""
+        return self.decode(enc).to(dtype)
+
     def token_bytes(self, dim: int) -> float:
         """Bytes one token costs once encoded (codes plus metadata shared within its group)."""
         raise NotImplementedError
@@ -75,9 +80,9 @@ class Encoded:
         # uncounted): an encoding done again after an eviction rounds without them
         self.where = Where(self.where.layer, self.where.head, self.where.kind, inv_freq=self.where.inv_freq)
 
-    def decode(self) -> torch.Tensor:
-        """(b, n, d) the tokens as the model reads them."""
-        return self.codec.decode(self)
+    def decode(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """(b, n, d) the tokens as the model reads them (in `dtype` when given)."""
+        return self.codec.decode(self) if dtype is None else self.codec.decode_as(self, dtype)
 
     def rows(self) -> torch.Tensor:
         """(b, n) the group row each token reads its group tensors from: token // token_group while
@@ -162,9 +167,16 @@ class Encoded:
 
 
 def gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """Rows `index` (b, k) of x (b, n, ...)."""
-    view = index.reshape(*index.shape, *([1] * (x.dim() - 2))).expand(*index.shape, *x.shape[2:])
-    return torch.gather(x, 1, view)
+    """Rows `index` (b, k) of x (b, n, ...) (x may be broadcast over the batch: (1, n, ...)).
+
+    One `index_select` over the flattened rows: `torch.gather` would need an index as large as
+    the output (k * d int64s), built and read at every call on the decoding path."""
+    b, k = index.shape
+    if x.shape[0] != b:
+        x = x.expand(b, *x.shape[1:])
+    n = x.shape[1]
+    flat = (index.long() + torch.arange(b, device=index.device).unsqueeze(1) * n).reshape(-1)
+    return x.reshape(b * n, *x.shape[2:]).index_select(0, flat).reshape(b, k, *x.shape[2:])
 
 
 # ---- uniform (min-max) quantization, the building block of most methods -------------------
@@ -208,20 +220,23 @@ class Uniform(Codec):
         )
 
     def decode(self, enc: Encoded) -> torch.Tensor:
+        return self.decode_as(enc, enc.dtype)
+
+    def decode_as(self, enc: Encoded, dtype: torch.dtype) -> torch.Tensor:
         b, n, d = enc.tokens["codes"].shape[0], enc.n, enc.dim
-        codes = unpack(enc.tokens["codes"], self.bits, d).float()
-        if self.axis == "token":
+        codes = unpack_float(enc.tokens["codes"], self.bits, d)
+        if self.axis == "token":  # codes * scale + zero, in float32
             c = codes.reshape(b, n, d // self.group, self.group)
-            out = c * enc.tokens["scale"].float().unsqueeze(-1) + enc.tokens["zero"].float().unsqueeze(-1)
-            return out.reshape(b, n, d).to(enc.dtype)
+            out = torch.addcmul(enc.tokens["zero"].float().unsqueeze(-1), c, enc.tokens["scale"].float().unsqueeze(-1))
+            return out.reshape(b, n, d).to(dtype)
         if "count" in enc.groups:  # groups thinned by evictions: each token reads its own group
-            return (codes * enc.per_token("scale").float() + enc.per_token("zero").float()).to(enc.dtype)
+            return torch.addcmul(enc.per_token("zero").float(), codes, enc.per_token("scale").float()).to(dtype)
         g = self.group
         pad = (-n) % g  # a group broadcasts over its tokens: (b, m, g, d) * (b, m, 1, d)
         c = torch.cat([codes, codes.new_zeros(b, pad, d)], dim=1) if pad else codes
         c = c.reshape(b, -1, g, d)
-        out = c * enc.groups["scale"].float().unsqueeze(2) + enc.groups["zero"].float().unsqueeze(2)
-        return out.reshape(b, -1, d)[:, :n].to(enc.dtype)
+        out = torch.addcmul(enc.groups["zero"].float().unsqueeze(2), c, enc.groups["scale"].float().unsqueeze(2))
+        return out.reshape(b, -1, d)[:, :n].to(dtype)
 
     def token_bytes(self, dim: int) -> float:
         meta = 2 * META_DTYPE.itemsize

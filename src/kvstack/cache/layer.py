@@ -14,12 +14,14 @@ tokens keep their share of attention mass. It is part of the KV bytes, created o
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
-from kvstack.cache.encoded import Codec, Encoded, Where, gather_rows
+from kvstack.cache.encoded import Codec, Encoded, Uniform, Where, gather_rows
+from kvstack.cache.heads import PerHead
 from kvstack.methods.select import Keep
 
 SLOT_DTYPE = torch.int32
@@ -94,6 +96,29 @@ class Coded:
         return [*self.keys.tensors(), *self.values.tensors()]
 
 
+def _alike(a: Encoded, b: Encoded) -> bool:
+    """True when two heads' parts can be decoded as one batch: the same uniform rule (it reads no
+    per-head table), the same tensors' shapes."""
+    if not (isinstance(a.codec, Uniform) and isinstance(b.codec, Uniform)) or a.n != b.n or a.dtype != b.dtype:
+        return False
+    rule = (a.codec.bits, a.codec.axis, a.codec.group) == (b.codec.bits, b.codec.axis, b.codec.group)
+    shapes = {k: v.shape for k, v in a.tokens.items()}, {k: v.shape for k, v in a.groups.items()}
+    return rule and shapes == ({k: v.shape for k, v in b.tokens.items()}, {k: v.shape for k, v in b.groups.items()})
+
+
+def decode_heads(parts: list[Encoded], dtype: torch.dtype) -> torch.Tensor:
+    """(b, h, n, d) in `dtype`: the parts of h heads (each (b, n, d) once decoded) decoded in one
+    call, the heads laid along the batch (`_alike` parts only)."""
+    first, h = parts[0], len(parts)
+    batched = replace(
+        first,
+        tokens={k: torch.cat([p.tokens[k] for p in parts]) for k in first.tokens},
+        groups={k: torch.cat([p.groups[k] for p in parts]) for k in first.groups},
+    )
+    out = batched.decode(dtype)  # (h*b, n, d)
+    return out.view(h, -1, *out.shape[1:]).transpose(0, 1)
+
+
 def compact(positions: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row, the entries of positions (b, k) where mask holds, moved to the front in order:
     (picked (b, k'), real (b, k')), k' the most any row picks; rows with fewer repeat their last
@@ -128,8 +153,8 @@ class CompressedLayer:
         self.sliding_window = sliding_window
         self.is_sliding = sliding_window is not None
         self.seq = seq
-        self.keys: list[torch.Tensor] = []  # per head (b, r_h, d): the tokens held in the model's dtype
-        self.values: list[torch.Tensor] = []
+        self._keys = PerHead()  # per head (b, r_h, d): the tokens held in the model's dtype
+        self._values = PerHead()
         self.coded: list[list[Coded]] = [[] for _ in range(n_kv_heads)]  # per head, older tokens encoded
         self.slots: list[torch.Tensor] | None = None  # per head (b, t_h) SLOT_DTYPE, None = implicit
         self.start = 0  # first slot while slots are implicit
@@ -142,8 +167,27 @@ class CompressedLayer:
         # evicted tokens it averages (b, h); None until a stack folds evicted tokens
         self.comp_slot: torch.Tensor | None = None
         self.comp_count: torch.Tensor | None = None
+        self.next_check = -1  # while decoding, no head exceeds its share up to this slot (KVCache._maintain)
 
     # ---- reading -------------------------------------------------------------------------
+    @property
+    def keys(self) -> PerHead:
+        """Per head (b, r_h, d) the keys held in the model's dtype (`PerHead`: stacked while alike)."""
+        return self._keys
+
+    @keys.setter
+    def keys(self, heads: Sequence[torch.Tensor]) -> None:
+        self._keys = PerHead.of(heads)
+
+    @property
+    def values(self) -> PerHead:
+        """Per head (b, r_h, d) the values held in the model's dtype."""
+        return self._values
+
+    @values.setter
+    def values(self, heads: Sequence[torch.Tensor]) -> None:
+        self._values = PerHead.of(heads)
+
     @property
     def is_initialized(self) -> bool:
         return bool(self.keys)
@@ -172,6 +216,27 @@ class CompressedLayer:
         if not self.coded[h]:
             return self.values[h]
         return torch.cat([*(c.values.decode() for c in self.coded[h]), self.values[h]], dim=1)
+
+    def layer_kv(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(keys, values), each (b, h, t, d) in storage order (float32 once some are encoded), every
+        head's encoded parts decoded in one call per part, when the heads are alike (plain tokens
+        stacked, the same parts with the same uniform codecs and shapes, nothing merged); else
+        None, and attention goes head by head."""
+        keys, values = self.keys.stacked, self.values.stacked
+        if keys is None or values is None or WEIGHT in self.stats:
+            return None
+        if not any(self.coded):
+            return keys, values
+        first = self.coded[0]
+        if any(len(parts) != len(first) for parts in self.coded):
+            return None
+        pairs = [(p, q) for parts in self.coded for p, q in zip(parts, first, strict=True)]
+        if not all(_alike(p.keys, q.keys) and _alike(p.values, q.values) and p.demoted == q.demoted for p, q in pairs):
+            return None
+        parts, f32 = range(len(first)), torch.float32  # attention reads float32: decode straight to it
+        coded_keys = [decode_heads([self.coded[h][i].keys for h in range(self.n_kv_heads)], f32) for i in parts]
+        coded_values = [decode_heads([self.coded[h][i].values for h in range(self.n_kv_heads)], f32) for i in parts]
+        return torch.cat([*coded_keys, keys.float()], dim=2), torch.cat([*coded_values, values.float()], dim=2)
 
     def head_bias(self, h: int) -> torch.Tensor | None:
         """(b, t_h) float32 log-count added to head h's attention logits (storage order), or None
@@ -262,7 +327,8 @@ class CompressedLayer:
         """Bytes of storage head h keeps alive (tables shared by heads, such as codebooks, included)."""
         coded = [t for c in self.coded[h] for t in c.tensors()]
         weight = [self.stats[WEIGHT][h]] if WEIGHT in self.stats else []
-        return storage_bytes([self.keys[h], self.values[h], *coded, *([self.slots[h]] if self.slots else []), *weight])
+        plain = self.keys.nbytes(h) + self.values.nbytes(h)  # a stacked tensor is shared: count head h's part
+        return plain + storage_bytes([*coded, *([self.slots[h]] if self.slots else []), *weight])
 
     def aux_nbytes(self) -> int:
         """Bytes of what methods observe (queries, attention statistics), not part of the KV."""
@@ -281,12 +347,11 @@ class CompressedLayer:
         """Append new tokens: keys/values (b, h, q, d) at logical slots (q,)."""
         q = keys.shape[2]
         if not self.keys:
-            self.keys = [keys[:, h].contiguous() for h in range(self.n_kv_heads)]
-            self.values = [values[:, h].contiguous() for h in range(self.n_kv_heads)]
+            self.keys = PerHead(stacked=keys.contiguous())
+            self.values = PerHead(stacked=values.contiguous())
             self.start = int(slots[0])
         else:
-            self.keys = [torch.cat([self.keys[h], keys[:, h]], dim=1) for h in range(self.n_kv_heads)]
-            self.values = [torch.cat([self.values[h], values[:, h]], dim=1) for h in range(self.n_kv_heads)]
+            self.keys, self.values = self.keys.append(keys), self.values.append(values)
         if self.slots is not None:
             new = slots.to(SLOT_DTYPE).expand(keys.shape[0], q)
             self.slots = [torch.cat([s, new], dim=1) for s in self.slots]
@@ -315,7 +380,8 @@ class CompressedLayer:
                 self.coded[h].append(part)
             else:
                 self.coded[h][at] = self.coded[h][at].cat(part)
-        self.keys[h], self.values[h] = self.keys[h][:, count:].clone(), self.values[h][:, count:].clone()
+        self.keys = self.keys.with_head(h, self.keys[h][:, count:].clone())
+        self.values = self.values.with_head(h, self.values[h][:, count:].clone())
 
     def _positions(self, h: int, count: int) -> torch.Tensor:
         """(b, count) positions in their sequences of head h's `count` oldest tokens held in the
@@ -486,8 +552,9 @@ class CompressedLayer:
                 continue
             at = dense_at[:, t_h - plain :]
             write = hit[:, t_h - plain :, None]
-            self.keys[h] = torch.where(write, gather_rows(keys[:, h], at).to(self.keys[h].dtype), self.keys[h])
-            self.values[h] = torch.where(write, gather_rows(values[:, h], at).to(self.values[h].dtype), self.values[h])
+            new_keys = torch.where(write, gather_rows(keys[:, h], at).to(self.keys[h].dtype), self.keys[h])
+            new_values = torch.where(write, gather_rows(values[:, h], at).to(self.values[h].dtype), self.values[h])
+            self.keys, self.values = self.keys.with_head(h, new_keys), self.values.with_head(h, new_values)
             if log_count is not None:
                 new = torch.gather(log_count[:, h].float(), 1, dense_at)
                 self.stats[WEIGHT][h] = torch.where(hit, new, self.stats[WEIGHT][h])
@@ -495,6 +562,16 @@ class CompressedLayer:
     def _apply_plain(self, keep: Keep) -> None:
         """`apply` for a layer holding every token in the model's dtype."""
         slots = self.dense_slots()
+        widths = keep.count.amax(0)  # (h,) tokens each head keeps in its fullest row
+        k = int(widths[0])
+        if self.keys.stacked is not None and bool((widths == k).all()):  # every head alike: one gather each
+            index = keep.index[..., :k]  # (b, h, k)
+            real = torch.arange(k, device=index.device) < keep.count.unsqueeze(-1)
+            kept_slots = torch.where(real, torch.gather(slots, 2, index), -1).to(SLOT_DTYPE)
+            self.keys, self.values = self.keys.take(index), self.values.take(index)
+            self.slots = [s.clone() for s in kept_slots.unbind(1)]  # a storage per head, as appends make
+            self.stats = {n: [x.gather(1, index[:, h]) for h, x in enumerate(ph)] for n, ph in self.stats.items()}
+            return
         new_keys, new_values, new_slots = [], [], []
         new_stats: dict[str, list[torch.Tensor]] = {name: [] for name in self.stats}
         for h in range(self.n_kv_heads):
@@ -571,8 +648,8 @@ class CompressedLayer:
                     x = torch.cat([per_head[hh], per_head[hh].new_zeros(b, 1)], dim=1)
                     per_head[hh] = torch.gather(x, 1, order)
             update = at & rows.unsqueeze(1)
-            self.keys[hh] = torch.where(update.unsqueeze(-1), new_k.unsqueeze(1), k_h)
-            self.values[hh] = torch.where(update.unsqueeze(-1), new_v.unsqueeze(1), v_h)
+            self.keys = self.keys.with_head(hh, torch.where(update.unsqueeze(-1), new_k.unsqueeze(1), k_h))
+            self.values = self.values.with_head(hh, torch.where(update.unsqueeze(-1), new_v.unsqueeze(1), v_h))
             self.slots[hh] = s_h.to(SLOT_DTYPE)
         self.comp_count = torch.where(n_new > 0, self.comp_count + n_new, self.comp_count)
         self.comp_slot = torch.where(n_new > 0, slot, torch.where(has, self.comp_slot, -1))
@@ -591,8 +668,7 @@ class CompressedLayer:
         if self.seq.padding is None and self.slots is None and not self.is_coded:
             drop = self.seen - keep_last - self.start
             if drop > 0:  # copy, so the dropped tokens' storage is really freed
-                self.keys = [k[:, drop:].clone() for k in self.keys]
-                self.values = [v[:, drop:].clone() for v in self.values]
+                self.keys, self.values = self.keys.drop_oldest(drop), self.values.drop_oldest(drop)
                 self.stats = {n: [x[:, drop:].clone() for x in ph] for n, ph in self.stats.items()}
                 self.start += drop
             return
@@ -614,8 +690,8 @@ class CompressedLayer:
         """A copy that evolves on its own, keeping only the statistics and queries `needs` and
         `query_window` ask for; tensors are shared until either side replaces them."""
         new = copy.copy(self)
-        new.seq = seq
-        new.keys, new.values = list(self.keys), list(self.values)
+        new.seq, new.next_check = seq, -1
+        new.keys, new.values = self.keys, self.values  # never written in place: shared until replaced
         new.coded = [list(parts) for parts in self.coded]
         new.slots = list(self.slots) if self.slots is not None else None
         new.stats = {name: list(per_head) for name, per_head in self.stats.items() if name in needs | {WEIGHT}}
@@ -628,6 +704,7 @@ class CompressedLayer:
 
     def select_batch(self, index: torch.Tensor) -> None:
         """Keep only the batch rows in `index` (beam search, finished sequences)."""
+        self.next_check = -1
         self.keys = [k[index] for k in self.keys]
         self.values = [v[index] for v in self.values]
         self.coded = [

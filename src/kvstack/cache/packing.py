@@ -64,3 +64,23 @@ def unpack(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     planes = flat[..., : n * bits].reshape(*packed.shape[:-1], n, bits)
     weights = 1 << torch.arange(bits, device=packed.device, dtype=torch.int32)
     return (planes * weights).sum(-1).to(torch.uint8)
+
+
+_TABLES: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def unpack_float(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """`unpack` straight to float32: (..., ceil(n * bits / 8)) uint8 -> (..., n) float32. Widths
+    that divide 8 read each byte's codes from a 256-row table (one lookup instead of shifting,
+    masking and converting: half the time on the decoding hot path)."""
+    if bits == 8 or 8 % bits:
+        return unpack(packed, bits, n).float()
+    key = (bits, packed.device)
+    table = _TABLES.get(key)
+    if table is None:
+        shifts = torch.arange(0, 8, bits, device=packed.device)
+        table = _TABLES[key] = (
+            (torch.arange(256, device=packed.device)[:, None] >> shifts) & ((1 << bits) - 1)
+        ).float()
+    codes = torch.nn.functional.embedding(packed.int(), table)  # (..., bytes, 8 // bits)
+    return codes.reshape(*packed.shape[:-1], -1)[..., :n]

@@ -47,6 +47,6 @@ def calibration_states(model: Any, samples: int, tokens: int) -> list[tuple[torc
             for i, layer in enumerate(cache.layers):
                 if len(keys) <= i:
                     keys.append([]), values.append([])
-                keys[i].append(torch.stack(layer.keys, 0)[:, 0].float().cpu())  # (h, t, d)
-                values[i].append(torch.stack(layer.values, 0)[:, 0].float().cpu())
+                keys[i].append(torch.stack(list(layer.keys), 0)[:, 0].float().cpu())  # (h, t, d)
+                values[i].append(torch.stack(list(layer.values), 0)[:, 0].float().cpu())
     return [(torch.cat(k, 1), torch.cat(v, 1)) for k, v in zip(keys, values, strict=True)]

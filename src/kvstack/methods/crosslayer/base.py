@@ -111,8 +111,8 @@ def move_to_part(layer: CompressedLayer, h: int, index: torch.Tensor, part: Code
         layer.slots[h] = torch.gather(layer.slots[h].expand(b, -1), 1, order)
         for per_head in layer.stats.values():
             per_head[h] = torch.gather(per_head[h], 1, order)
-    layer.keys[h] = gather_rows(layer.keys[h], rest)
-    layer.values[h] = gather_rows(layer.values[h], rest)
+    layer.keys = layer.keys.with_head(h, gather_rows(layer.keys[h], rest))
+    layer.values = layer.values.with_head(h, gather_rows(layer.values[h], rest))
     layer.coded[h] = [*layer.coded[h], part]
 
 
