@@ -146,5 +146,6 @@ def test_spec_round_trips():
 
 def test_labels_show_only_changed_parameters():
     assert Stack.parse("snapkv").label == "snapkv"
-    assert Stack.parse("streaming(sinks=8, every=1)").label == "streaming(sinks=8)"
+    assert Stack.parse("streaming(sinks=8, decode_window=16)").label == "streaming(sinks=8)"
+    assert Stack.parse("streaming(every=1)").label == "streaming(every=1)"  # the paper's cadence, not the default
     assert Stack.parse(Stack.parse("h2o(recent=0.25)").label) == Stack.parse("h2o(recent=0.25)")

@@ -41,6 +41,7 @@ class Result:
     kv_bytes_full: int  # a full cache for the same tokens
     kv_ratio: float
     kv_bytes_end: int
+    peak_kv_bytes: int  # the most held at once while the prompt went in (chunked prefill keeps it low)
     kv_bytes_full_end: int
     prefill_s: float
     compress_s: float
@@ -83,6 +84,20 @@ class _Runner:
         runner = _Runner(self.model, self.cache.fork(stack, budget))
         runner.mask, runner.last_logits, runner.rows = self.mask, self.last_logits, self.rows
         return runner
+
+    def prefill(self, ids: torch.Tensor, mask: torch.Tensor, chunk: int | None = None) -> torch.Tensor:
+        """Run a prompt (b, n), in chunks of `chunk` tokens when given: the cache compresses after
+        each chunk, so it never holds much more than its budget plus one chunk. Last logits (b, vocab)."""
+        n = ids.shape[1]
+        if not chunk or n <= chunk:
+            return self.forward(ids, mask)
+        starts = list(range(0, n, chunk))
+        if n - starts[-1] == 1:  # a last chunk of one token would be taken for a decoding step
+            starts.pop()
+        ends = [*starts[1:], n]
+        for start, end in zip(starts, ends, strict=True):
+            logits = self.forward(ids[:, start:end], mask[:, start:end])
+        return logits
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, chunk_mask: torch.Tensor, at: torch.Tensor | None = None) -> torch.Tensor:
@@ -173,18 +188,24 @@ def generate_ids(
     max_new_tokens: int = 32,
     eos_ids: set[int] | None = None,
     pad_id: int = 0,
+    prefill_chunk: int | None = None,
 ) -> tuple[list[list[int]], dict[str, Any]]:
-    """Greedy generation for a batch of prompts under a compression stack; ids and measurements."""
+    """Greedy generation for a batch of prompts under a compression stack; ids and measurements.
+
+    prefill_chunk: prefill the context in chunks of this many tokens, compressing between them
+    (peak KV bytes about the budget plus one chunk: `peak_kv_bytes`); None prefills at once."""
     stack = stack if isinstance(stack, Stack) else Stack.parse(stack)
     budget = Budget.parse(budget)
     check_prompts(model, prompts, max_new_tokens, stack, budget)
+    if prefill_chunk is not None and prefill_chunk < 2:
+        raise UserError(f"prefill chunk of {prefill_chunk} tokens: give at least 2 (e.g. 512)")
     runner = _Runner(model, KVCache(model, stack, budget))
     start = now(model.device)
     if query_agnostic:
-        runner.forward(*_left_pad([p.context for p in prompts], pad_id))
+        runner.prefill(*_left_pad([p.context for p in prompts], pad_id), prefill_chunk)
         logits = _ask(runner, prompts, pad_id)
     else:
-        logits = runner.forward(*_left_pad([p.context + p.question for p in prompts], pad_id))
+        logits = runner.prefill(*_left_pad([p.context + p.question for p in prompts], pad_id), prefill_chunk)
     prefill_s = now(model.device) - start - runner.cache.compress_clock.seconds
     return _finish(runner, logits, prefill_s, max_new_tokens, eos_ids or set(), query_agnostic)
 
@@ -364,6 +385,7 @@ def _finish(
         "kv_bytes_full": kv_full,
         "kv_ratio": kv_bytes / kv_full if kv_full else 1.0,
         "kv_bytes_end": cache.nbytes(),
+        "peak_kv_bytes": max(cache.peak_nbytes, kv_bytes),
         "kv_bytes_full_end": cache.full_nbytes(),
         "prefill_s": prefill_s,
         "compress_s": cache.compress_clock.seconds,

@@ -101,9 +101,12 @@ class Stack:
         return method
 
     @property
-    def every(self) -> int:
-        """Decoding steps between compressions."""
-        return self.cadence.every if self.cadence is not None else 1
+    def every(self) -> int | None:
+        """Decoding steps between compressions (None: a block the cache chooses, `decode_block`). A
+        merging stack folds each token into a kept one as it leaves, so it keeps a cadence of 1:
+        a block would fold tokens before their time."""
+        every = self.cadence.every if self.cadence is not None else 1
+        return 1 if every is None and self.merger is not None else every
 
     @property
     def decode_window(self) -> int:

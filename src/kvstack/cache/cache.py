@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -21,7 +22,7 @@ from kvstack.cache.budget import Budget, Cost, full_precision_room, tokens_to_ke
 from kvstack.cache.encoded import Codec
 from kvstack.cache.layer import CompressedLayer, SequenceState, storage_bytes
 from kvstack.errors import UserError
-from kvstack.methods.base import Observation, recent_mask
+from kvstack.methods.base import Method, Observation, decode_block, recent_mask
 from kvstack.methods.select import select
 from kvstack.models.rope import layer_frequencies
 from kvstack.stack import Stack
@@ -108,6 +109,7 @@ class KVCache(Cache):
         self._source = model_or_config
         self.compress_clock = Stopwatch()  # statistics + scoring + gathering, prefill and decode
         self.compressions = 0
+        self.peak_nbytes = 0  # the most `nbytes()` read while prompt chunks went in (before each compression)
         self.signals: dict[str, dict[int, torch.Tensor]] = {}  # per-layer measurements for allocators
         self.pending_signals: set[int] = set()  # layers whose forward hooks owe a signal (cache/hidden.py)
         self.weights: torch.Tensor | None = None  # (L, b, h) budget weights decided by the allocators
@@ -161,10 +163,12 @@ class KVCache(Cache):
         slots = (cache_kwargs or {}).get("cache_position")
         if slots is None:
             slots = torch.arange(layer.seen, layer.seen + key_states.shape[2], device=key_states.device)
+        fresh = not layer.is_initialized
         layer.append(key_states, value_states, slots)
         if key_states.shape[2] > 1:
             self.seq.prompt_end = max(self.seq.prompt_end, layer.seen)
-        view = LayerView(layer, self, slots)
+        # a layer's first chunk holds exactly these tensors: attention may read them as they came
+        view = LayerView(layer, self, slots, (key_states, value_states) if fresh else None)
         return view, view
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -214,6 +218,8 @@ class KVCache(Cache):
 
         Statistics are billed to `compress_s`: they are work a method causes, not prefill.
         """
+        if query.shape[2] > 1:  # a prompt chunk: the cache is at its fullest before this layer compresses
+            self.peak_nbytes = max(self.peak_nbytes, self.nbytes())
         started = self.compress_clock.start(query.device)
         layer.observe_queries(query.detach(), query_slots, self.query_window)
         needs = self.needs & statistics.STATISTICS
@@ -521,6 +527,9 @@ class KVCache(Cache):
     def _maintain(self, layer: CompressedLayer, decoding: bool) -> None:
         method = self.stack.evictor
         assert method is not None
+        if decoding and layer.seen <= layer.next_check:  # no head can exceed its share yet
+            self.encode(layer)
+            return
         keep = method.limit(self.keep_allowed(layer), decoding, self.confidence)
         counts = layer.counts(exclude_demoted=self.stack.demotes)
         if any(a.splits for a in self.stack.allocators):  # heads share the layer's total: compare totals
@@ -529,7 +538,27 @@ class KVCache(Cache):
             over = counts > keep  # (b, h); heads within budget keep everything (batch-invariant)
         if bool(over.any()):
             self.compress_layer(layer, keep, decoding)
+            counts = layer.counts(exclude_demoted=self.stack.demotes) if self.shares_only_grow else counts
+        if self.shares_only_grow:  # each step adds at most one token per head: skip the checks until then
+            layer.next_check = layer.seen + int((keep - counts).min())
         self.encode(layer)
+
+    @cached_property
+    def shares_only_grow(self) -> bool:
+        """True when no head's share of the budget ever shrinks as tokens arrive: a fraction or a
+        token count split uniformly, by a method that takes the budget's keep as it is. Then a head
+        `s` tokens under its share cannot exceed it in the next `s` slots, and `_maintain` need not
+        look (each look builds the layer's dense view)."""
+        evictor = self.stack.evictor
+        return (
+            evictor is not None
+            and self.budget.nbytes is None
+            and self.planner is None
+            and not self.stack.allocators
+            and not self.stack.demotes
+            and not self.stack.compensates
+            and all(type(m).limit is Method.limit for m in evictor.chain() if isinstance(m, Method))
+        )
 
     def encode(self, layer: CompressedLayer) -> None:
         """Encode each head's oldest tokens held in the model's dtype beyond the quantizer's residual
@@ -599,9 +628,9 @@ class KVCache(Cache):
         keep = torch.maximum(keep, torch.clamp(obs.valid.sum(-1), max=self.stack.min_tokens))
         counts = obs.valid.sum(-1)
         over = counts > keep  # heads within their share keep everything (batch-invariant)
-        every = self.stack.every
-        if decoding and every > 1:  # evict ahead so the next `every - 1` steps fit
-            keep = torch.maximum(keep - (every - 1), torch.clamp(counts, max=self.stack.min_tokens))
+        if decoding:  # evict a block ahead so the next steps fit (the budget holds at each of them)
+            block = decode_block(self.stack.every, keep)
+            keep = torch.maximum(keep - (block - 1), torch.clamp(counts, max=self.stack.min_tokens))
         folding = self.stack.compensates
         if folding:  # the compensation token is kept, and one place is left for a new one
             token = layer.compensation_mask(obs.slots)

@@ -8,7 +8,7 @@ not part of this scorer (a quantizer stage and `pyramid(conf_kv)` would play tho
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -52,6 +52,7 @@ class ConfKV(Method):
     floor_share: float = 0.5
     sinks: int = 4
     protect: int = 16
+    every: int = field(default=1, kw_only=True)  # the budget follows each token's confidence
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -16,7 +16,8 @@ class H2O(Method):
     """Keep heavy hitters (most attention received, summed over all queries so far) and recent tokens.
 
     `recent` is the share of each head's budget given to the most recent tokens (0.5 in the paper);
-    the rest goes to the heavy hitters by `attention_sum` (b, h, t). Runs every decoding step.
+    the rest goes to the heavy hitters by `attention_sum` (b, h, t). The paper evicts one token per
+    decoding step; kvstack evicts a block at once (`every=1` for the paper's cadence).
     """
 
     name = "h2o"

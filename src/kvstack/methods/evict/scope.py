@@ -53,6 +53,7 @@ class SCOPE(Rescorer):
     cadence_from_inner = False  # decodes at its own cadence: the wrapped scorer acts at prefill
     scorer: Method = field(default_factory=lambda: default_scorer("snapkv"))
     recent: int = 8
+    every: int = field(default=1, kw_only=True)  # "slide": the paper re-selects at every step
     decode_window: int = field(default=0, kw_only=True)
 
     def __post_init__(self) -> None:

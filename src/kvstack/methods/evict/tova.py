@@ -15,7 +15,8 @@ from kvstack.methods.registry import register
 class TOVA(Method):
     """Score each token by the last query's attention, averaged over all heads of the layer.
 
-    The same tokens are kept in every head (the paper's layer-wise policy); runs every step.
+    The same tokens are kept in every head (the paper's layer-wise policy). The paper evicts one
+    token per step; kvstack evicts a block at once (`every=1` for the paper's cadence).
     """
 
     name = "tova"

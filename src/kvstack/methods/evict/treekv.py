@@ -21,7 +21,7 @@ comparison, wherever the tree is densest relative to its shape.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -58,6 +58,7 @@ class TreeKV(Method):
     needs = frozenset({"attention_sum"})
     sinks: int = 4
     recent: float = 0.5
+    every: int = field(default=1, kw_only=True)  # the paper evicts at every step
 
     def __post_init__(self) -> None:
         super().__post_init__()
