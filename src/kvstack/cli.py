@@ -104,6 +104,9 @@ def generate(
     max_new_tokens: Annotated[int, typer.Option(help="tokens to generate at most")] = 32,
     answer_prefix: Annotated[str, typer.Option(help="text the answer starts with")] = "",
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
+    prefill_chunk: Annotated[
+        int | None, typer.Option(help="prefill in chunks of this many tokens, compressing between them")
+    ] = None,
 ) -> None:
     """Answer a question about a context with a compressed KV cache; report bytes and speed."""
     try:
@@ -114,6 +117,8 @@ def generate(
         stack.check_budget(parsed_budget)
         if max_new_tokens < 1:
             raise UserError("--max-new-tokens must be at least 1")
+        if prefill_chunk is not None and prefill_chunk < 2:
+            raise UserError(f"--prefill-chunk {prefill_chunk}: give at least 2 tokens (e.g. 512)")
         context = _read_context(context_file)
         from kvstack.api import answer
         from kvstack.models import load
@@ -122,7 +127,15 @@ def generate(
             lm = load(model)
         with err.status(f"generating with {stack} at budget {parsed_budget}"):
             result = answer(
-                lm, [context], [question], stack, parsed_budget, query_agnostic, max_new_tokens, answer_prefix
+                lm,
+                [context],
+                [question],
+                stack,
+                parsed_budget,
+                query_agnostic,
+                max_new_tokens,
+                answer_prefix,
+                prefill_chunk=prefill_chunk,
             )
     except UserError as e:
         _fail(str(e))
@@ -142,7 +155,8 @@ def generate(
     out.print(f"[bold]{payload['answer']}[/]")
     out.print(
         f"kv cache {payload['kv_bytes'] / 2**20:.2f} MiB of {payload['kv_bytes_full'] / 2**20:.2f} MiB full "
-        f"(ratio {payload['kv_ratio']:.3f}); context {payload['context_tokens']} tokens; prefill "
+        f"(ratio {payload['kv_ratio']:.3f}, peak {payload['peak_kv_bytes'] / 2**20:.2f} MiB); "
+        f"context {payload['context_tokens']} tokens; prefill "
         f"{payload['prefill_s']:.2f}s, compress {payload['compress_s']:.3f}s, decode "
         f"{payload['decode_tokens_per_s']:.1f} tok/s",
         highlight=False,
@@ -358,6 +372,88 @@ def demo(
         f"go further with `kvstack bench --help`.",
         highlight=False,
     )
+
+
+SPEED_STACKS = "keydiff@0.125,kivi(bits=2),keydiff+adaquant(residual=32)@0.125"
+
+
+@app.command()
+def speed(
+    model: Annotated[str, typer.Option("--model", "-m", help="registered name, local folder or .gguf")] = DEFAULT,
+    stacks: Annotated[
+        str, typer.Option(help="comma-separated STACK@BUDGET (no @: budget 1.0); full and transformers' own are added")
+    ] = SPEED_STACKS,
+    lengths: Annotated[str, typer.Option(help="comma-separated prompt lengths: 2k, 8k, 3000")] = "2k,8k",
+    new_tokens: Annotated[int, typer.Option(help="tokens decoded after each prompt")] = 32,
+    repeats: Annotated[int, typer.Option(help="interleaved repeats per point (the median is kept)")] = 1,
+    static: Annotated[bool, typer.Option(help="also transformers' StaticCache")] = False,
+    prefill_chunk: Annotated[
+        int | None, typer.Option(help="kvstack rows prefill in chunks of this many tokens, compressing between them")
+    ] = None,
+    out_dir: Annotated[Path, typer.Option("--out", help="folder for speed.json and speed.png")] = Path("runs/speed"),
+) -> None:
+    """Prefill s, decode tok/s and KV bytes of transformers' sdpa + DynamicCache, kvstack full and
+    given stacks, at given lengths, in one process after a warm-up: ratios you can trust."""
+    try:
+        from kvstack.bench.speed import HF_DYNAMIC, HF_STATIC, Engine
+
+        if repeats < 1:
+            raise UserError(f"--repeats {repeats}: give at least 1")
+        if prefill_chunk is not None and prefill_chunk < 2:
+            raise UserError(f"--prefill-chunk {prefill_chunk}: give at least 2 tokens (e.g. 512)")
+        baselines = [HF_DYNAMIC, *([HF_STATIC] if static else []), "full"]
+        engines = list({e.label: e for e in map(Engine.parse, [*baselines, *_split(stacks)])}.values())
+        tokens = sorted({_length(x) for x in _split(lengths)})
+        if not tokens:
+            raise UserError("--lengths is empty: give context lengths such as 2k,8k")
+        from kvstack.bench.speed import measure, plot
+        from kvstack.models import MODELS, load
+
+        limit = MODELS[model].max_context if model in MODELS else 0
+        if limit and tokens[-1] + new_tokens > limit:  # known before the model loads
+            raise UserError(
+                f"length {tokens[-1]} + {new_tokens} new tokens exceeds {model}'s maximum of {limit} tokens: "
+                f"give shorter --lengths (e.g. {limit - new_tokens})"
+            )
+
+        with err.status(f"loading {model}"):
+            lm = load(model)
+        with err.status("measuring") as status:
+            rows = measure(lm.model, engines, tokens, new_tokens, repeats, prefill_chunk, progress=status.update)
+    except UserError as e:
+        _fail(str(e))
+        return
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "speed.json").write_text(json.dumps([r.to_json() for r in rows], indent=1) + "\n")
+    plot(rows, out_dir / "speed.png")
+    out.print(_speed_table(rows, model))
+    out.print(f"wrote {out_dir / 'speed.json'} and {out_dir / 'speed.png'}", highlight=False)
+
+
+def _speed_table(rows: list[Any], model: str) -> Table:
+    from kvstack.bench.speed import HF_DYNAMIC, ratios
+
+    to_full, to_hf = ratios(rows, "full"), ratios(rows, HF_DYNAMIC)
+    first = rows[0]
+    table = Table(title=f"{model} on {first.device}: {first.new_tokens} new tokens, median of {first.repeats}")
+    for col in ("engine", "length", "prefill s", "decode tok/s", "decode vs full", "decode vs sdpa", "prefill vs sdpa"):
+        table.add_column(col, justify="left" if col == "engine" else "right", no_wrap=col == "engine")
+    table.add_column("KV after prompt", justify="right")
+    table.add_column("peak KV in prompt", justify="right")
+    for r in rows:
+        key = (r.engine, r.length)
+        table.add_row(
+            r.engine,
+            str(r.length),
+            f"{r.prefill_s:.2f}",
+            f"{r.decode_tokens_per_s:.2f}",
+            f"{to_full[key][1]:.2f}x" if key in to_full else "",
+            f"{to_hf[key][1]:.2f}x" if key in to_hf else "",
+            f"{to_hf[key][0]:.2f}x" if key in to_hf else "",
+            f"{r.kv_bytes / 2**20:.2f} MiB",
+            f"{r.peak_kv_bytes / 2**20:.2f} MiB",
+        )
+    return table
 
 
 @app.command()

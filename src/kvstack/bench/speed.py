@@ -1,0 +1,248 @@
+"""`kvstack speed`: prefill seconds, decode tokens/s and KV bytes of transformers' own caches and
+of kvstack stacks, on one model in one process after a warm-up, so that rows compare as ratios.
+
+Rows (`Engine`): transformers' sdpa attention with its DynamicCache (the baseline users know) and
+StaticCache, kvstack's full cache, and any stacks at their budgets. Each measured point prefills
+a prompt of `length` token ids (seeded random ids: speed does not depend on what they say),
+then decodes `new_tokens` greedily. Repeats are interleaved (every row once, then again) and the
+median is kept, so a slow spell of a shared machine hits every row alike.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from kvstack.cache.budget import Budget
+from kvstack.errors import UserError
+from kvstack.timing import now
+
+HF_DYNAMIC = "sdpa+DynamicCache"  # transformers' defaults: what a user runs without kvstack
+HF_STATIC = "sdpa+StaticCache"
+BASELINES = (HF_DYNAMIC, HF_STATIC)
+
+
+@dataclass(frozen=True)
+class Engine:
+    """One row: a transformers baseline (`stack` None) or a kvstack stack at a budget."""
+
+    label: str
+    stack: str | None = None
+    budget: str = "1.0"
+
+    @classmethod
+    def parse(cls, text: str) -> Engine:
+        """`sdpa+DynamicCache`, `sdpa+StaticCache`, `full`, or `STACK@BUDGET` (`keydiff@0.125`;
+        no `@` means budget 1.0). The stack and budget are checked here, before any model loads."""
+        from kvstack.stack import Stack
+
+        text = text.strip()
+        if text.lower() in (b.lower() for b in BASELINES):
+            return cls(next(b for b in BASELINES if b.lower() == text.lower()))
+        spec, at, budget = text.rpartition("@") if "@" in text else (text, "", "1.0")
+        stack = Stack.parse(spec)
+        parsed = Budget.parse(budget)
+        stack.check_budget(parsed)
+        label = stack.label if parsed.is_full else f"{stack.label}@{budget.strip()}"
+        return cls(label, stack.label, budget.strip())
+
+
+@dataclass
+class SpeedRow:
+    """One engine at one length: medians over the repeats, bytes read off the cache's tensors."""
+
+    engine: str
+    length: int
+    new_tokens: int
+    prefill_s: float
+    decode_tokens_per_s: float
+    kv_bytes: int  # held after the prompt (prefill and compression)
+    kv_bytes_end: int  # held after decoding
+    peak_kv_bytes: int  # the most the cache held at once while the prompt went in
+    repeats: int
+    device: str
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def prompt_ids(length: int, vocab: int, seed: int = 0) -> torch.Tensor:
+    """(1, length) token ids drawn with a fixed seed from the vocabulary, special ids (the first
+    few hundred) left out."""
+    rng = random.Random(seed * 1_000_003 + length)
+    low = min(300, vocab // 4)
+    return torch.tensor([[rng.randrange(low, vocab) for _ in range(length)]])
+
+
+def _hf_run(model: Any, ids: torch.Tensor, new_tokens: int, static: bool) -> tuple[float, float, int, int]:
+    """transformers' sdpa over its own cache: (prefill s, decode s, bytes after prompt, bytes at end)."""
+    from transformers import DynamicCache, StaticCache
+
+    config = model.config
+    if static:
+        cache = StaticCache(config=config, max_cache_len=ids.shape[1] + new_tokens)
+    else:
+        cache = DynamicCache(config=config)
+    device = model.device
+    ids = ids.to(device)
+    start = now(device)
+    positions = torch.arange(ids.shape[1], device=device)
+    logits = model(ids, past_key_values=cache, use_cache=True, cache_position=positions, logits_to_keep=1).logits
+    prefill = now(device) - start
+    held = _hf_bytes(cache)
+    start = now(device)
+    for step in range(new_tokens - 1):
+        nxt = logits[:, -1].argmax(-1, keepdim=True)
+        at = torch.tensor([ids.shape[1] + step], device=device)
+        logits = model(nxt, past_key_values=cache, use_cache=True, cache_position=at).logits
+    decode = now(device) - start
+    return prefill, decode, held, _hf_bytes(cache)
+
+
+def _hf_bytes(cache: Any) -> int:
+    return sum(t.nbytes for layer in cache.layers for t in (layer.keys, layer.values) if t is not None)
+
+
+def _kvstack_run(
+    model: Any, ids: torch.Tensor, new_tokens: int, engine: Engine, chunk: int | None
+) -> tuple[float, float, int, int, int]:
+    """kvstack's cache through its own loop (`generate`): (prefill s incl. compression, decode s,
+    bytes after prompt, bytes at end, peak bytes during the prompt)."""
+    from kvstack.cache.cache import KVCache
+    from kvstack.generate import _Runner
+
+    assert engine.stack is not None
+    cache = KVCache(model, engine.stack, engine.budget)
+    runner = _Runner(model, cache)
+    device = model.device
+    start = now(device)
+    logits = runner.prefill(ids, torch.ones_like(ids), chunk)
+    prefill = now(device) - start
+    held, peak = cache.nbytes(), cache.peak_nbytes
+    one = torch.ones(1, 1, dtype=torch.long)
+    start = now(device)
+    for _ in range(new_tokens - 1):
+        logits = runner.forward(logits.argmax(-1, keepdim=True).cpu(), one)
+    decode = now(device) - start
+    return prefill, decode, held, cache.nbytes(), max(peak, held)
+
+
+def measure(
+    model: Any,
+    engines: list[Engine],
+    lengths: list[int],
+    new_tokens: int = 32,
+    repeats: int = 1,
+    prefill_chunk: int | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> list[SpeedRow]:
+    """Every engine at every length, interleaved `repeats` times after one warm-up pass of every
+    engine at the shortest length; medians. kvstack rows prefill in chunks of `prefill_chunk`
+    tokens when given (compressing between them). The model is switched between sdpa and kvstack attention
+    and left on kvstack's."""
+    if new_tokens < 2:
+        raise UserError(f"--new-tokens {new_tokens}: decoding speed needs at least 2 new tokens")
+    limit = int(getattr(model.config.get_text_config(), "max_position_embeddings", 0) or 0)
+    longest = max(lengths)
+    if limit and longest + new_tokens > limit:
+        raise UserError(
+            f"length {longest} + {new_tokens} new tokens exceeds the model's maximum of {limit} tokens: "
+            "give shorter --lengths"
+        )
+    vocab = model.config.get_text_config().vocab_size
+    device = str(model.device) if model.device.type == "cpu" else torch.cuda.get_device_name(model.device)
+    runs: dict[tuple[str, int], list[tuple[float, float, int, int, int]]] = {}
+    plan = [(min(lengths), -1)] + [(length, r) for r in range(repeats) for length in lengths]
+    try:
+        for length, rep in plan:
+            ids = prompt_ids(length, vocab)
+            for engine in engines:
+                if progress is not None:
+                    what = "warm-up" if rep < 0 else f"repeat {rep + 1}/{repeats}"
+                    progress(f"{engine.label} at {length} tokens ({what})")
+                got = _run(model, engine, ids, new_tokens, prefill_chunk)
+                if rep >= 0:
+                    runs.setdefault((engine.label, length), []).append(got)
+    finally:
+        model.set_attn_implementation("kvstack")
+    rows = []
+    for length in lengths:
+        for engine in engines:
+            got = runs[(engine.label, length)]
+            prefill = statistics.median(g[0] for g in got)
+            decode = statistics.median(g[1] for g in got)
+            rows.append(
+                SpeedRow(
+                    engine.label,
+                    length,
+                    new_tokens,
+                    prefill,
+                    (new_tokens - 1) / decode if decode > 0 else float("inf"),
+                    got[-1][2],
+                    got[-1][3],
+                    got[-1][4],
+                    repeats,
+                    device,
+                )
+            )
+    return rows
+
+
+def _run(
+    model: Any, engine: Engine, ids: torch.Tensor, new_tokens: int, chunk: int | None
+) -> tuple[float, float, int, int, int]:
+    with torch.inference_mode():
+        if engine.stack is None:
+            model.set_attn_implementation("sdpa")
+            prefill, decode, held, end = _hf_run(model, ids, new_tokens, static=engine.label == HF_STATIC)
+            return prefill, decode, held, end, held
+        model.set_attn_implementation("kvstack")
+        return _kvstack_run(model, ids, new_tokens, engine, chunk)
+
+
+def ratios(rows: list[SpeedRow], reference: str) -> dict[tuple[str, int], tuple[float, float]]:
+    """(engine, length) -> (prefill speed, decode speed) relative to `reference` at that length:
+    > 1 is faster (prefill as reference seconds / seconds)."""
+    ref = {r.length: r for r in rows if r.engine == reference}
+    out = {}
+    for r in rows:
+        base = ref.get(r.length)
+        if base is None:
+            continue
+        out[(r.engine, r.length)] = (base.prefill_s / r.prefill_s, r.decode_tokens_per_s / base.decode_tokens_per_s)
+    return out
+
+
+def plot(rows: list[SpeedRow], path: Any) -> None:
+    """Prefill seconds, decode tokens/s and KV bytes against context length, a line per engine."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    engines = list(dict.fromkeys(r.engine for r in rows))
+    panels = (
+        ("prefill (s, lower is better)", lambda r: r.prefill_s),
+        ("decode (tokens/s, higher is better)", lambda r: r.decode_tokens_per_s),
+        ("KV cache held after the prompt (MiB)", lambda r: r.kv_bytes / 2**20),
+    )
+    for ax, (title, value) in zip(axes, panels, strict=True):
+        for engine in engines:
+            mine = sorted((r for r in rows if r.engine == engine), key=lambda r: r.length)
+            style = "--" if engine in BASELINES else "-"
+            ax.plot([r.length for r in mine], [value(r) for r in mine], style, marker="o", label=engine)
+        ax.set_title(title)
+        ax.set_xlabel("context length (tokens)")
+        ax.set_xscale("log", base=2)
+        ax.grid(alpha=0.3)
+    axes[1].legend(fontsize=8)
+    fig.suptitle(f"kvstack speed on {rows[0].device}, {rows[0].new_tokens} new tokens, median of {rows[0].repeats}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
