@@ -114,10 +114,11 @@ def few_queries(
     """(b, h*g, q, dv) attention of a few queries (b, h*g, q, d) over keys, values (b, h, t, d):
     the g query heads of KV head h attend its keys.
 
-    Logits and softmax in float32, the probabilities times values in the model's dtype, as flash
-    kernels do. On CPU, SDPA's bf16 kernel with one query takes ~6 ms over 8k keys where these
-    two batched products take ~0.7 ms. mask: (b or 1, h or 1, q, t) True where a key may be seen;
-    bias: (b, h, t) log-counts added to the logits (merged entries), or None.
+    Logits and softmax in float32, the probabilities times values in the values' dtype (the
+    model's, as flash kernels do; float32 when they were decoded from codes). On CPU, SDPA's bf16
+    kernel with one query takes ~6 ms over 8k keys where these two batched products take ~0.7 ms.
+    mask: (b or 1, h or 1, q, t) True where a key may be seen; bias: (b, h, t) log-counts added
+    to the logits (merged entries), or None.
     """
     b, hg, q, d = query.shape
     h, t = keys.shape[1], keys.shape[2]
