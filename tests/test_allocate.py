@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvstack.cache.cache import KVCache
-from kvstack.generate import _Runner
+from kvstack.generate import Runner
 from kvstack.methods.allocate.adakv import adaptive_split
 from kvstack.methods.allocate.base import distribute
 from kvstack.methods.allocate.pyramid import pyramid_shares
@@ -74,7 +74,7 @@ def test_compositions_parse_and_print_back():
 def test_head_budgets_differ_and_the_bytes_held_follow_them(llama):
     ids = torch.randint(3, 90, (1, 80), generator=torch.Generator().manual_seed(0)).to(llama.device)
     cache = KVCache(llama, "pyramid(adakv(snapkv(window_size=4, every=4), alpha=0.0), beta=4)", 0.5)
-    _Runner(llama, cache).forward(ids, torch.ones_like(ids))
+    Runner(llama, cache).forward(ids, torch.ones_like(ids))
     rows = cache.stats()
     tokens = [r["tokens"][0] for r in rows]
     assert len(set(tokens)) > 2  # layers and heads keep different counts
@@ -88,9 +88,9 @@ def test_head_budgets_differ_and_the_bytes_held_follow_them(llama):
 def test_the_issue_s_compositions_run_within_budget_and_equal_the_full_cache_at_budget_one(llama):
     ids = torch.randint(3, 90, (1, 70), generator=torch.Generator().manual_seed(2)).to(llama.device)
     mask = torch.ones_like(ids)
-    full = _Runner(llama, KVCache(llama)).forward(ids, mask)
+    full = Runner(llama, KVCache(llama)).forward(ids, mask)
     for spec in ("pyramid(snapkv(window_size=4))", "adakv(keydiff)", "graphkv(snapkv(window_size=4))", "razor(knorm)"):
         cache = KVCache(llama, spec, 0.5)
-        _Runner(llama, cache).forward(ids, mask)
+        Runner(llama, cache).forward(ids, mask)
         assert cache.compressions > 0 and cache.nbytes() <= 0.5 * cache.full_nbytes(), spec
-        assert torch.equal(_Runner(llama, KVCache(llama, spec, 1.0)).forward(ids, mask), full), spec
+        assert torch.equal(Runner(llama, KVCache(llama, spec, 1.0)).forward(ids, mask), full), spec

@@ -11,7 +11,7 @@ import torch
 from kvstack.cache.budget import Budget, Cost
 from kvstack.cache.cache import KVCache
 from kvstack.errors import UserError
-from kvstack.generate import _Runner
+from kvstack.generate import Runner
 from kvstack.planning.curves import FRACTIONS, head_errors
 from kvstack.planning.options import Storage, held_bytes
 from kvstack.planning.plan import Plan, decide, rescale
@@ -59,7 +59,7 @@ def test_bad_sizes_are_one_line_errors(text):
 def test_a_byte_budget_holds_for_any_stack(llama):
     ids = torch.randint(0, 97, (1, 200))
     cache = KVCache(llama, "snapkv(window_size=4)", "20KB")
-    _Runner(llama, cache).forward(ids, torch.ones_like(ids))
+    Runner(llama, cache).forward(ids, torch.ones_like(ids))
     assert cache.nbytes() <= 20 * 1024
     assert cache.nbytes() > 0.9 * 20 * 1024 * cache.layers[0].token_bytes(False) / cache.layers[0].token_bytes()
 
@@ -68,7 +68,7 @@ def test_a_byte_budget_below_the_smallest_cache_names_the_minimum(llama):
     ids = torch.randint(0, 97, (1, 200))
     cache = KVCache(llama, "snapkv(window_size=4)", "1KB")
     with pytest.raises(UserError, match=r"below the smallest cache .* use a budget of at least 4.125KB"):
-        _Runner(llama, cache).forward(ids, torch.ones_like(ids))  # 4 layers x 2 heads x 4 tokens x 132 bytes
+        Runner(llama, cache).forward(ids, torch.ones_like(ids))  # 4 layers x 2 heads x 4 tokens x 132 bytes
 
 
 # ---- options and the solver by hand ------------------------------------------------------
@@ -157,7 +157,7 @@ def test_head_errors_measure_the_attention_output_by_hand():
 def _prefill(model, spec, budget, n=600, batch=1):
     ids = torch.randint(0, 97, (batch, n), generator=torch.Generator().manual_seed(1))
     cache = KVCache(model, spec, budget)
-    runner = _Runner(model, cache)
+    runner = Runner(model, cache)
     runner.forward(ids, torch.ones_like(ids))
     return cache, runner
 
@@ -229,14 +229,14 @@ def test_a_padded_batch_keeps_each_row_as_alone(llama, spec, budget):
     alone = []
     for row in rows:
         cache = KVCache(llama, spec, budget)
-        _Runner(llama, cache).forward(row[None], torch.ones(1, len(row), dtype=torch.long))
+        Runner(llama, cache).forward(row[None], torch.ones(1, len(row), dtype=torch.long))
         alone.append(([layer.counts()[0].tolist() for layer in cache.layers], cache.nbytes()))
     together = KVCache(llama, spec, budget)
     ids = torch.zeros(2, 300, dtype=torch.long)
     mask = torch.zeros(2, 300, dtype=torch.long)
     for b, row in enumerate(rows):
         ids[b, 300 - len(row) :], mask[b, 300 - len(row) :] = row, 1
-    _Runner(llama, together).forward(ids, mask)
+    Runner(llama, together).forward(ids, mask)
     for b in range(2):
         assert [layer.counts()[b].tolist() for layer in together.layers] == alone[b][0]
     if isinstance(budget, str):
@@ -437,7 +437,7 @@ def test_candidates_executing_the_same_stack_are_run_once_with_the_same_result(l
 
 
 def test_auto_executes_the_candidate_validated_best_at_the_nearest_budget(llama):
-    from kvstack.methods.auto import Calibration
+    from kvstack.planning.auto import Calibration
 
     stage = Stack.parse("auto(tokens=128, samples=1, validate=1, bits=('16', '4'))").stages[0]
     curves = stage.prepare(llama).curves

@@ -6,14 +6,12 @@ from transformers import DynamicCache
 
 from helpers import ids_of
 from kvstack.cache.cache import KVCache
-from kvstack.generate import _Runner
+from kvstack.generate import Runner
 from kvstack.methods.registry import all_methods
 from kvstack.methods.select import Keep
 
 # eviction and allocation (quantizers are lossy by design: tests/test_quantize.py)
-METHODS = [
-    m for m, cls in all_methods().items() if m != "full" and not hasattr(cls, "codecs") and not hasattr(cls, "join")
-]
+METHODS = [m for m, cls in all_methods().items() if m != "full" and not cls.declared_roles() & {"storer", "joiner"}]
 # short windows and chunks, so the tiny prompts (40-100 tokens) exercise them
 SHORT = {
     "snapkv": "snapkv(window_size=4, every=4)",
@@ -39,7 +37,7 @@ def prompt(n, seed=0):
 
 def step_logits(model, cache, ids, follow):
     """Prefill `ids`, then feed `follow` one token at a time; logits (steps, vocab) at every step."""
-    runner = _Runner(model, cache)
+    runner = Runner(model, cache)
     out = [runner.forward(torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long))]
     for t in follow:
         out.append(runner.forward(torch.tensor([[t]]), torch.ones(1, 1, dtype=torch.long)))
@@ -86,7 +84,7 @@ def test_budget_one_reproduces_the_full_cache(tiny, method, mode):
 @pytest.mark.parametrize("mode", ["prefill", "decoding"])
 def test_compression_frees_bytes_and_stays_within_budget(tiny, method, mode):
     cache = KVCache(tiny, SPECS[method], 0.5)
-    runner = _Runner(tiny, cache)
+    runner = Runner(tiny, cache)
     runner.forward(torch.tensor([prompt(60)]), torch.ones(1, 60, dtype=torch.long))
     assert cache.nbytes() <= 0.5 * cache.full_nbytes()
     assert cache.compressions > 0
@@ -94,14 +92,14 @@ def test_compression_frees_bytes_and_stays_within_budget(tiny, method, mode):
     for t in prompt(steps, seed=2):
         runner.forward(torch.tensor([[t]]), torch.ones(1, 1, dtype=torch.long))
         for layer in cache.layers:  # per layer: allocators such as adakv move tokens between heads
-            assert bool((layer.counts().sum(-1) <= cache.keep_allowed(layer).sum(-1)).all())
+            assert bool((layer.counts().sum(-1) <= cache.policy.shares.keep_allowed(layer).sum(-1)).all())
         assert cache.nbytes() <= 0.5 * cache.full_nbytes()
 
 
 def test_budget_holds_over_a_512_token_generation(llama):
     for spec in ("streaming", "h2o"):
         cache = KVCache(llama, spec, "64t")
-        runner = _Runner(llama, cache)
+        runner = Runner(llama, cache)
         runner.forward(torch.tensor([prompt(100)]), torch.ones(1, 100, dtype=torch.long))
         for t in prompt(512, seed=3):
             runner.forward(torch.tensor([[t]]), torch.ones(1, 1, dtype=torch.long))
@@ -113,14 +111,14 @@ def test_lower_budgets_hold_fewer_bytes(tiny):
     held = []
     for budget in (1.0, 0.5, 0.25, 0.125):
         cache = KVCache(tiny, "knorm", budget)
-        _Runner(tiny, cache).forward(torch.tensor([prompt(80)]), torch.ones(1, 80, dtype=torch.long))
+        Runner(tiny, cache).forward(torch.tensor([prompt(80)]), torch.ones(1, 80, dtype=torch.long))
         held.append(cache.nbytes())
     assert held == sorted(held, reverse=True) and len(set(held)) == 4
 
 
 def test_ragged_heads_free_memory_per_head(llama):
     cache = KVCache(llama)
-    _Runner(llama, cache).forward(torch.tensor([prompt(32)]), torch.ones(1, 32, dtype=torch.long))
+    Runner(llama, cache).forward(torch.tensor([prompt(32)]), torch.ones(1, 32, dtype=torch.long))
     layer = cache.layers[0]
     before = cache.nbytes()
     index = torch.arange(32, device=llama.device).view(1, 1, 32).expand(1, 2, 32)
@@ -147,7 +145,7 @@ def test_a_batch_answers_like_each_prompt_alone(tiny, method, agnostic):
 
 def test_query_agnostic_never_evicts_the_question(llama):
     cache = KVCache(llama, "knorm", 0.25)
-    runner = _Runner(llama, cache)
+    runner = Runner(llama, cache)
     runner.forward(torch.tensor([prompt(64)]), torch.ones(1, 64, dtype=torch.long))
     with cache.exempt():
         runner.forward(torch.tensor([prompt(10, seed=8)]), torch.ones(1, 10, dtype=torch.long))
@@ -197,7 +195,7 @@ def test_decoding_never_evicts_the_newest_tokens(llama, window):
 
 def test_stats_report_tokens_and_bytes_per_head(llama):
     cache = KVCache(llama, "snapkv(window_size=4)", 0.5)
-    _Runner(llama, cache).forward(torch.tensor([prompt(40)]), torch.ones(1, 40, dtype=torch.long))
+    Runner(llama, cache).forward(torch.tensor([prompt(40)]), torch.ones(1, 40, dtype=torch.long))
     rows = cache.stats()
     assert len(rows) == 4 * 2
     assert sum(r["bytes"] for r in rows) == cache.nbytes()
@@ -262,7 +260,7 @@ def test_one_prefill_forked_per_method_equals_compressing_during_prefill(tiny, m
 
 def test_fork_refuses_a_stack_whose_statistics_were_not_recorded(llama):
     cache = KVCache(llama)
-    _Runner(llama, cache).forward(torch.tensor([prompt(20)]), torch.ones(1, 20, dtype=torch.long))
+    Runner(llama, cache).forward(torch.tensor([prompt(20)]), torch.ones(1, 20, dtype=torch.long))
     with pytest.raises(ValueError, match="did not record"):
         cache.fork("h2o", 0.5)
     assert cache.fork("knorm", 0.5).nbytes() < cache.nbytes()

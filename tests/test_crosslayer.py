@@ -10,7 +10,7 @@ from helpers import ids_of
 from kvstack.cache.cache import KVCache
 from kvstack.cache.layer import CompressedLayer, SequenceState, storage_bytes
 from kvstack.errors import UserError
-from kvstack.generate import _Runner
+from kvstack.generate import Runner
 from kvstack.methods.crosslayer.base import JOINED, layer_groups
 from kvstack.methods.crosslayer.minicache import MiniCache, angular_distance, disentangle, retention, slerp
 from kvstack.methods.crosslayer.xkv import group_rank, shared_subspace
@@ -28,7 +28,7 @@ def prompt(n, seed=0):
 def run(model, spec, budget=1.0, n=48, steps=0):
     """A cache after a prompt of n tokens and `steps` decoded ones; logits (1 + steps, vocab)."""
     cache = KVCache(model, spec, budget)
-    runner = _Runner(model, cache)
+    runner = Runner(model, cache)
     out = [runner.forward(torch.tensor([prompt(n)]), torch.ones(1, n, dtype=torch.long))]
     for t in prompt(steps, seed=1):
         out.append(runner.forward(torch.tensor([[t]]), torch.ones(1, 1, dtype=torch.long)))
@@ -249,7 +249,7 @@ def test_sliding_layers_merge_and_keep_sharing_through_window_trims():
     third, fourth = cache.layers[3], cache.layers[4]
     assert third.is_sliding and fourth.is_sliding and not cache.layers[5].coded[0]  # the lone global layer
     assert third.coded[0][0].n == 15  # the window's 15 tokens, merged
-    runner = _Runner(gemma, cache)
+    runner = Runner(gemma, cache)
     runner.mask = torch.ones(1, 40, dtype=torch.long)
     for step, t in enumerate(prompt(16, seed=1)):
         runner.forward(torch.tensor([[t]]), torch.ones(1, 1, dtype=torch.long))
@@ -303,7 +303,7 @@ def test_tokens_are_joined_once_and_forks_equal_joining_during_prefill(tiny):
     before = cache.nbytes()
     again = cache.fork("minicache(retain=0.3)", 1.0)  # the copy is maintained and joined again
     for layer in cache.layers:
-        cache.maintain(layer, decoding=False)
+        cache.policy.maintain(layer, decoding=False)
     assert again.nbytes() == cache.nbytes() == before
     joined = [cache.layers[i] for group in MiniCache().groups([x.is_sliding for x in cache.layers]) for i in group]
     assert joined and all(getattr(layer, JOINED) == 48 for layer in joined)

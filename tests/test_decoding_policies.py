@@ -6,7 +6,7 @@ import torch
 
 from helpers import layer_with, observe
 from kvstack.cache.cache import KVCache
-from kvstack.generate import _Runner
+from kvstack.generate import Runner
 from kvstack.methods.base import Observation
 from kvstack.methods.evict.conf_kv import composite_score, confident_keep
 from kvstack.methods.evict.treekv import growth_ratio, tree_segments
@@ -124,7 +124,7 @@ def test_scope_at_prefill_is_its_inner_scorer():
 
 def test_scope_decoding_never_evicts_the_compressed_prompt(llama):
     cache = KVCache(llama, "scope(snapkv(window_size=4))", 0.5)
-    runner = _Runner(llama, cache)
+    runner = Runner(llama, cache)
     runner.forward(torch.tensor([prompt(40)]), torch.ones(1, 40, dtype=torch.long))
     after_prefill = [set(layer.head_slots(h).flatten().tolist()) for layer in cache.layers for h in range(2)]
     for t in prompt(30, seed=1):
@@ -168,7 +168,7 @@ def test_conf_kv_limit_holds_less_when_confident():
 
 def test_conf_kv_a_confident_step_halves_the_cache(llama):
     cache = KVCache(llama, "conf_kv", 0.5)
-    runner = _Runner(llama, cache)
+    runner = Runner(llama, cache)
     runner.forward(torch.tensor([prompt(64)]), torch.ones(1, 64, dtype=torch.long))
     assert cache.confidence is not None and cache.confidence.shape == (1,)  # the loop computed it
     cache.confidence = torch.ones(1)  # what the next step's compression reads
@@ -176,16 +176,14 @@ def test_conf_kv_a_confident_step_halves_the_cache(llama):
     for layer in cache.layers:
         # half the bytes of 65 tokens at 128 bytes (full) over 132 (compressed, with the slot):
         # floor(65 * 0.5 * 128 / 132) = 31 per head; confidence 1 keeps floor(31 * 0.5) = 15
-        allowed = cache.keep_allowed(layer)
+        allowed = cache.policy.shares.keep_allowed(layer)
         assert allowed.tolist() == [[31, 31]]
         assert layer.counts().tolist() == confident_keep(allowed, torch.ones(1), 0.5, 5).tolist() == [[15, 15]]
 
 
 # ---- every method over a long generation ----------------------------------------------------
 
-LONG = [
-    m for m, cls in all_methods().items() if m != "full" and not hasattr(cls, "codecs") and not hasattr(cls, "join")
-]
+LONG = [m for m, cls in all_methods().items() if m != "full" and not cls.declared_roles() & {"storer", "joiner"}]
 
 
 @pytest.mark.parametrize("method", LONG)
@@ -194,13 +192,13 @@ def test_decoding_time_compression_keeps_the_cache_within_budget_over_512_tokens
     holds no more tokens than its heads' shares together, and the cache no more than half the
     full cache's bytes (methods that compress every N > 1 steps evict ahead, so they hold too)."""
     cache = KVCache(llama, SPECS[method], 0.5)
-    runner = _Runner(llama, cache)
+    runner = Runner(llama, cache)
     runner.forward(torch.tensor([prompt(64)]), torch.ones(1, 64, dtype=torch.long))
     assert cache.nbytes() <= 0.5 * cache.full_nbytes()
     for t in prompt(512, seed=3):
         runner.forward(torch.tensor([[t]]), torch.ones(1, 1, dtype=torch.long))
         for layer in cache.layers:  # per layer: head allocators (adakv) may move tokens between heads
-            held, allowed = layer.counts().sum(-1), cache.keep_allowed(layer).sum(-1)
+            held, allowed = layer.counts().sum(-1), cache.policy.shares.keep_allowed(layer).sum(-1)
             assert bool((held <= allowed).all()), f"layer {layer.layer_idx}"
         assert cache.nbytes() <= 0.5 * cache.full_nbytes()
     assert cache.layers[0].seen == 64 + 512

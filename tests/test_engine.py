@@ -6,7 +6,7 @@ import torch
 
 from kvstack.cache.attention import few_queries
 from kvstack.cache.cache import KVCache
-from kvstack.generate import _Runner
+from kvstack.generate import Runner
 from kvstack.methods.base import decode_block
 
 
@@ -62,10 +62,13 @@ def test_a_decoding_block_is_a_sixteenth_of_the_share_between_1_and_32():
     assert decode_block(4, keep).tolist() == [[4, 4, 4]]  # a method's own cadence wins
 
 
-def decode(model, spec, budget, steps, cls=KVCache):
-    """Prefill 48 random tokens, decode `steps` more one at a time; per step (logits, counts, bytes)."""
-    cache = cls(model, spec, budget)
-    runner = _Runner(model, cache)
+def decode(model, spec, budget, steps, always_look=False):
+    """Prefill 48 random tokens, decode `steps` more one at a time; per step (logits, counts, bytes).
+    always_look: the cache before the checks were skipped (every layer looks at its counts at every step)."""
+    cache = KVCache(model, spec, budget)
+    if always_look:
+        cache.policy.__dict__["shares_only_grow"] = False  # overrides the cached property
+    runner = Runner(model, cache)
     g = torch.Generator().manual_seed(1)
     runner.forward(torch.randint(3, 97, (1, 48), generator=g), torch.ones(1, 48, dtype=torch.long))
     out = []
@@ -87,19 +90,11 @@ def test_eviction_runs_in_blocks_and_the_budget_holds_at_every_step(llama):
     assert all(held <= most for _, _, held, _ in steps)
 
 
-class AlwaysLooks(KVCache):
-    """The cache before the checks were skipped: every layer looks at its counts at every step."""
-
-    @property
-    def shares_only_grow(self) -> bool:
-        return False
-
-
 @pytest.mark.parametrize("spec,budget", [("keydiff", 0.5), ("tova", "24t"), ("streaming(sinks=2)", 0.25)])
 def test_skipping_the_checks_changes_no_decision(tiny, spec, budget):
     fast, fast_steps = decode(tiny, spec, budget, 30)
-    slow, slow_steps = decode(tiny, spec, budget, 30, AlwaysLooks)
-    assert fast.shares_only_grow and not slow.shares_only_grow
+    slow, slow_steps = decode(tiny, spec, budget, 30, always_look=True)
+    assert fast.policy.shares_only_grow and not slow.policy.shares_only_grow
     for (a, ca, ba, _), (b, cb, bb, _) in zip(fast_steps, slow_steps, strict=True):
         assert torch.equal(a, b) and torch.equal(ca, cb) and ba == bb
     for x, y in zip(fast.layers, slow.layers, strict=True):
@@ -107,15 +102,15 @@ def test_skipping_the_checks_changes_no_decision(tiny, spec, budget):
 
 
 def test_shares_that_may_shrink_are_always_checked(llama):
-    assert not KVCache(llama, "keydiff", "64KB").shares_only_grow  # a byte budget's share moves with the length
-    assert not KVCache(llama, "adakv(keydiff)", 0.5).shares_only_grow  # heads re-split the layer's total
-    assert not KVCache(llama, "conf_kv", 0.5).shares_only_grow  # the budget follows the model's confidence
-    assert KVCache(llama, "keydiff+kivi(bits=4, group=16, residual=16)", 0.5).shares_only_grow
+    assert not KVCache(llama, "keydiff", "64KB").policy.shares_only_grow  # a byte budget's share moves with the length
+    assert not KVCache(llama, "adakv(keydiff)", 0.5).policy.shares_only_grow  # heads re-split the layer's total
+    assert not KVCache(llama, "conf_kv", 0.5).policy.shares_only_grow  # the budget follows the model's confidence
+    assert KVCache(llama, "keydiff+kivi(bits=4, group=16, residual=16)", 0.5).policy.shares_only_grow
 
 
 def prefill_in_chunks(model, spec, budget, chunk, n=96):
     cache = KVCache(model, spec, budget)
-    runner = _Runner(model, cache)
+    runner = Runner(model, cache)
     ids = torch.randint(3, 97, (1, n), generator=torch.Generator().manual_seed(2))
     logits = runner.prefill(ids, torch.ones_like(ids), chunk)
     return cache, logits

@@ -8,7 +8,7 @@ from kvstack import calibrate
 from kvstack.cache.cache import KVCache
 from kvstack.calibrate import heads
 from kvstack.errors import UserError
-from kvstack.generate import _Runner
+from kvstack.generate import Runner
 from kvstack.methods.allocate.base import distribute
 from kvstack.methods.allocate.cokv import cokv_weights
 from kvstack.methods.allocate.headkv import headkv_weights
@@ -210,10 +210,10 @@ def test_a_bare_config_is_refused_with_the_fix(llama):
 
 def test_razor_retrieval_heads_keep_the_whole_prompt(llama, calibration_dir):
     cache = KVCache(llama, "razor(induction=0.25, echo=0.0)", 0.5)
-    table = cache.calibration[Stack.parse("razor").allocators[0].kind]
+    table = cache.policy.calibration[Stack.parse("razor").allocators[0].kind]
     chosen = retrieval_heads(table[0], table[1], 0.25, 0.0)  # 2 of 8 heads
     ids = torch.randint(3, 90, (1, 80), generator=torch.Generator().manual_seed(0)).to(llama.device)
-    _Runner(llama, cache).forward(ids, torch.ones_like(ids))
+    Runner(llama, cache).forward(ids, torch.ones_like(ids))
     counts = torch.stack([layer.counts()[0] for layer in cache.layers])  # (L, h)
     assert int(chosen.sum()) == 2
     assert bool((counts[chosen] == 80).all()) and bool((counts[~chosen] < 80).all())
@@ -224,7 +224,7 @@ def test_headkv_and_cokv_give_heads_different_budgets(llama, calibration_dir):
     ids = torch.randint(3, 90, (1, 80), generator=torch.Generator().manual_seed(0)).to(llama.device)
     for spec in ("headkv(snapkv(window_size=4), beta=1.1)", "cokv(snapkv(window_size=4), samples=2)"):
         cache = KVCache(llama, spec, 0.5)
-        _Runner(llama, cache).forward(ids, torch.ones_like(ids))
+        Runner(llama, cache).forward(ids, torch.ones_like(ids))
         counts = [r["tokens"][0] for r in cache.stats()]
         assert len(set(counts)) > 2, spec
         assert cache.nbytes() <= 0.5 * cache.full_nbytes()
@@ -274,7 +274,7 @@ def test_razor_folds_what_a_head_evicts_into_one_compensation_token():
 def test_razor_holds_its_budget_with_the_compensation_tokens(llama, calibration_dir):
     ids = torch.randint(3, 90, (1, 80), generator=torch.Generator().manual_seed(0)).to(llama.device)
     cache = KVCache(llama, "razor(induction=0.25, echo=0.0)", 0.25)
-    runner = _Runner(llama, cache)
+    runner = Runner(llama, cache)
     runner.forward(ids, torch.ones_like(ids))
     for t in range(20):
         runner.forward(torch.tensor([[5 + t]]), torch.ones(1, 1, dtype=torch.long))

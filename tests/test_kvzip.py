@@ -4,7 +4,7 @@ import torch
 
 from helpers import layer_with, observe
 from kvstack.cache.cache import KVCache
-from kvstack.generate import _Runner
+from kvstack.generate import Runner
 from kvstack.methods.evict.kvzip import reconstruction_chunks
 from kvstack.methods.select import select
 from kvstack.stack import Stack
@@ -31,9 +31,9 @@ def test_reread_scores_are_the_max_attention_of_the_reconstruction_queries(llama
     llama._kvstack_repeat_ids = (repeat, [8])
     try:
         cache = KVCache(llama, "full", 1.0, observe=frozenset({"reconstruction"}))
-        runner = _Runner(llama, cache)
+        runner = Runner(llama, cache)
         runner.forward(torch.tensor([context]), torch.ones(1, 30, dtype=torch.long))  # re-reads after the prompt
-        assert cache.reread_s > 0 and not cache.waiting
+        assert cache.reread_s > 0 and not cache.policy.waiting
     finally:
         del llama._kvstack_repeat_ids
     # the definition, with eager attention over context + "repeat" + context in one pass
@@ -81,11 +81,11 @@ def test_the_reread_scores_a_sliding_layers_tokens_past_its_window(monkeypatch):
     monkeypatch.setattr(statistics, "record", spy)
     model._kvstack_repeat_ids = ([5, 6, 7], [8])
     cache = KVCache(model, "kvzip", 0.5)
-    _Runner(model, cache).forward(torch.randint(3, 90, (1, 60)), torch.ones(1, 60, dtype=torch.long))
+    Runner(model, cache).forward(torch.randint(3, 90, (1, 60)), torch.ones(1, 60, dtype=torch.long))
     reread = [(i, w) for i, q, w in seen if q == 63]  # "repeat" + the 60 tokens
     assert {i for i, _ in reread} == set(range(6)) and all(w is None for _, w in reread)
     seen.clear()
-    _Runner(model, KVCache(model, "h2o", 0.5)).forward(
+    Runner(model, KVCache(model, "h2o", 0.5)).forward(
         torch.randint(3, 90, (1, 60)), torch.ones(1, 60, dtype=torch.long)
     )
     assert [w for _, _, w in seen] == [16, 16, 16, 16, 16, None]  # other statistics keep the window

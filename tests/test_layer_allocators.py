@@ -9,7 +9,7 @@ from transformers import DynamicCache
 
 from kvstack.cache import hidden
 from kvstack.cache.cache import KVCache
-from kvstack.generate import _Runner
+from kvstack.generate import Runner
 from kvstack.methods.allocate.d2o import attention_spread, d2o_weights
 from kvstack.methods.allocate.prefix import importance_cdf, prefix_counts, token_importance
 from kvstack.methods.allocate.squeeze import kmeans_1d, squeeze_weights
@@ -90,7 +90,7 @@ def test_squeeze_refuses_a_share_outside_zero_one():
 
 def test_hooks_record_one_cosine_per_layer_and_sequence_then_the_allocation_follows(llama):
     cache = KVCache(llama, "squeeze(snapkv(window_size=4, every=4))", 0.5)
-    _Runner(llama, cache).forward(ids(48), torch.ones(1, 48, dtype=torch.long))
+    Runner(llama, cache).forward(ids(48), torch.ones(1, 48, dtype=torch.long))
     cos = cache.signals["hidden_cosine"]
     assert sorted(cos) == [0, 1, 2, 3]
     assert all(v.shape == (1,) and -1.0 <= float(v) <= 1.0 for v in cos.values())
@@ -98,7 +98,7 @@ def test_hooks_record_one_cosine_per_layer_and_sequence_then_the_allocation_foll
     assert not cache.pending_signals
     # the weights were decided from every layer's value, the last one included
     expected = squeeze_weights(torch.stack([cos[i][0] for i in range(4)]), 0.3)
-    assert torch.allclose(cache.weights[:, 0, 0], expected)
+    assert torch.allclose(cache.policy.shares.weights[:, 0, 0], expected)
     assert cache.nbytes() <= 0.5 * cache.full_nbytes()
 
 
@@ -115,7 +115,7 @@ def test_the_cosine_is_the_residual_stream_before_and_after_attention(tiny):
     second = norm.register_forward_pre_hook(lambda m, a: seen.update(y=a[0]))
     cache = KVCache(tiny, "full", 1.0, observe=frozenset({"hidden_cosine"}))
     try:
-        _Runner(tiny, cache).forward(ids(20, 1), torch.ones(1, 20, dtype=torch.long))
+        Runner(tiny, cache).forward(ids(20, 1), torch.ones(1, 20, dtype=torch.long))
     finally:
         first.remove()
         second.remove()
@@ -125,16 +125,16 @@ def test_the_cosine_is_the_residual_stream_before_and_after_attention(tiny):
 
 def test_padding_is_left_out_and_chunks_average_like_one_prompt(llama):
     alone = KVCache(llama, "full", 1.0, observe=frozenset({"hidden_cosine"}))
-    _Runner(llama, alone).forward(ids(30, 2), torch.ones(1, 30, dtype=torch.long))
+    Runner(llama, alone).forward(ids(30, 2), torch.ones(1, 30, dtype=torch.long))
     # the same prompt left-padded by 10 in a batch with another one
     batch = torch.cat([torch.cat([torch.zeros(1, 10, dtype=torch.long), ids(30, 2)], 1), ids(40, 3)])
     mask = torch.ones(2, 40, dtype=torch.long)
     mask[0, :10] = 0
     padded = KVCache(llama, "full", 1.0, observe=frozenset({"hidden_cosine"}))
-    _Runner(llama, padded).forward(batch, mask)
+    Runner(llama, padded).forward(batch, mask)
     # the prompt in two chunks: 12 then 18 tokens (a token-weighted running mean)
     chunked = KVCache(llama, "full", 1.0, observe=frozenset({"hidden_cosine"}))
-    runner = _Runner(llama, chunked)
+    runner = Runner(llama, chunked)
     runner.forward(ids(30, 2)[:, :12], torch.ones(1, 12, dtype=torch.long))
     runner.forward(ids(30, 2)[:, 12:], torch.ones(1, 18, dtype=torch.long))
     for i in range(4):
@@ -151,7 +151,7 @@ def test_hooks_install_once_and_record_nothing_when_no_cache_needs_them(llama):
     KVCache(llama, "squeeze", 0.5)  # installs again through the cache: still once
     assert [len(layer._forward_pre_hooks) for layer in llama.model.layers] == before
     cache = KVCache(llama, "snapkv(window_size=4)", 0.5)
-    _Runner(llama, cache).forward(ids(24), torch.ones(1, 24, dtype=torch.long))
+    Runner(llama, cache).forward(ids(24), torch.ones(1, 24, dtype=torch.long))
     assert cache.signals == {} and not cache.pending_signals
     with torch.no_grad():  # a transformers cache goes through untouched
         llama(ids(10), past_key_values=DynamicCache(config=llama.config))

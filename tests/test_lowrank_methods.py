@@ -10,7 +10,7 @@ from helpers import ids_of
 from kvstack.cache.cache import KVCache
 from kvstack.cache.encoded import Where
 from kvstack.errors import UserError
-from kvstack.generate import _Runner
+from kvstack.generate import Runner
 from kvstack.methods.lowrank.rotatek import AsIs, RotateK, headwise_mask, kept_axes, second_moment
 from kvstack.methods.lowrank.shadowkv import ShadowKeys
 from kvstack.models.rope import rotate
@@ -26,7 +26,7 @@ def run(model, spec, budget, n=96, steps=4, rows=1, check=None, pad=0):
     """Prefill `rows` prompts of n tokens (row 1 left-padded by `pad`), then decode `steps`
     tokens; `check(cache)` after each step."""
     cache = KVCache(model, spec, budget)
-    runner = _Runner(model, cache)
+    runner = Runner(model, cache)
     ids = torch.tensor([prompt(n, seed=r) for r in range(rows)])
     mask = torch.ones_like(ids)
     if pad:

@@ -10,7 +10,7 @@ from kvstack.cache.attention import _attend
 from kvstack.cache.cache import KVCache
 from kvstack.cache.layer import WEIGHT
 from kvstack.errors import UserError
-from kvstack.generate import _Runner
+from kvstack.generate import Runner
 from kvstack.methods.allocate.d2o import recall_weights
 from kvstack.methods.merge.base import Merge, merge_states, nearest_kept
 from kvstack.stack import Stack
@@ -88,7 +88,7 @@ def test_d2o_merges_left_out_tokens_into_their_nearest_kept_one(llama):
     caches = {}
     for spec in ("d2o", "d2o(recall=False)"):
         caches[spec] = KVCache(llama, spec, 0.5)
-        _Runner(llama, caches[spec]).forward(ids, torch.ones_like(ids))
+        Runner(llama, caches[spec]).forward(ids, torch.ones_like(ids))
     merged, plain = caches["d2o"].layers[1], caches["d2o(recall=False)"].layers[1]
     assert torch.equal(merged.head_slots(0), plain.head_slots(0))  # the same tokens kept
     same = (merged.keys[0] == plain.keys[0]).all(-1)
@@ -104,7 +104,7 @@ def test_d2o_reproduces_the_full_cache_at_budget_one(tiny, spec):
 
 def test_merged_entries_hold_the_byte_budget_while_decoding_log_counts_included(tiny):
     cache = KVCache(tiny, "d2o(log_count=True)", 0.25)
-    runner = _Runner(tiny, cache)
+    runner = Runner(tiny, cache)
     ids = torch.tensor([prompt(160), prompt(160, seed=1)])
     runner.forward(ids, torch.ones_like(ids))
     assert cache.nbytes() <= 0.25 * cache.full_nbytes()
@@ -119,7 +119,7 @@ def test_merged_entries_hold_the_byte_budget_while_decoding_log_counts_included(
 
 def test_merging_into_a_quantized_cache_rewrites_only_full_precision_tokens(llama):
     cache = KVCache(llama, "d2o(log_count=True)+kivi(bits=4, group=8, residual=16)", 0.25)
-    runner = _Runner(llama, cache)
+    runner = Runner(llama, cache)
     runner.forward(torch.tensor([prompt(200)]), torch.ones(1, 200, dtype=torch.long))
     for t in prompt(20, seed=3):
         runner.forward(torch.tensor([[t]]), torch.ones(1, 1, dtype=torch.long))

@@ -10,7 +10,7 @@ from helpers import ids_of, layer_with
 from kvstack.cache.attention import _attend
 from kvstack.cache.cache import KVCache
 from kvstack.errors import UserError
-from kvstack.generate import _Runner
+from kvstack.generate import Runner
 from kvstack.methods.base import Observation
 from kvstack.methods.merge.base import Merge, merge_states
 from kvstack.methods.merge.chelsea import soft_matching
@@ -23,7 +23,7 @@ METHODS = ["ems", "chelsea", "zeromerge", "subgen"]
 
 
 def compress(layer, method, keep, decoding=False):
-    """What `KVCache.compress_layer` does for one layer: score, select, merge, rewrite, gather.
+    """What `Policy.compress_layer` does for one layer: score, select, merge, rewrite, gather.
     Returns (scores, kept, merge, merged keys, merged log-counts) on the dense view before it."""
     b, h = layer.batch, layer.n_kv_heads
     obs = Observation(layer, torch.full((b, h), keep), layer.seq.token_index(), decoding)
@@ -66,7 +66,7 @@ def test_ems_scores_global_local_then_evicts_and_merges():
     assert merged[0, 0, 0].tolist() == pytest.approx([1.0, 0.1]) and log_count[0, 0, 0] == pytest.approx(math.log(2))
     torch.testing.assert_close(layer.head_keys(0)[0], torch.tensor([[1.0, 0.1], [0, 1], [1, 1]]))
     assert layer.head_values(0)[0, 0].tolist() == pytest.approx([10.0, 1.0])
-    assert not method("ems(coverage=0)").merges  # the same selection, evicting only
+    assert not method("ems(coverage=0)").plays("merger")  # the same selection, evicting only
 
 
 def test_chelsea_merges_the_most_similar_pairs_of_each_chunk():
@@ -119,7 +119,7 @@ def test_zeromerge_folds_everything_left_out_into_a_residual_entry_that_stays():
     expected = (4 * keys[0, 0, [1, 3, 4, 5]].mean(0) + keys[0, 0, 6] + keys[0, 0, 7]) / 6
     assert merged[0, 0, 2].tolist() == pytest.approx(expected.tolist(), abs=1e-6)
     assert layer.head_slots(0).tolist() == [[0, 2, 4, 8, 9]]
-    assert not method("zeromerge(residual=0)").merges
+    assert not method("zeromerge(residual=0)").plays("merger")
 
 
 def test_zeromerge_sends_each_token_to_the_slot_of_largest_dot_product():
@@ -257,7 +257,7 @@ def prompt(n, seed=0):
 
 def run(model, cache, ids, follow, mask=None):
     """Logits (steps, b, vocab) after prefilling ids (b, n) and after each token of `follow`."""
-    runner = _Runner(model, cache)
+    runner = Runner(model, cache)
     ids = torch.tensor(ids)
     out = [runner.forward(ids, torch.ones_like(ids) if mask is None else mask)]
     for t in follow:
@@ -268,7 +268,8 @@ def run(model, cache, ids, follow, mask=None):
 def no_merge(spec):
     """The same selection with the tokens left out evicted."""
     stage = method(spec)
-    return Stack((type(f"{type(stage).__name__}Evicting", (type(stage),), {"merges": False})(**stage.params()),))
+    roles = property(lambda self: type(stage).roles.fget(self) - {"merger"})  # the stage no longer merges
+    return Stack((type(f"{type(stage).__name__}Evicting", (type(stage),), {"roles": roles})(**stage.params()),))
 
 
 @pytest.mark.parametrize("spec", METHODS)

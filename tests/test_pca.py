@@ -7,7 +7,7 @@ from helpers import ids_of
 from kvstack.cache.cache import KVCache
 from kvstack.cache.encoded import Where
 from kvstack.errors import UserError
-from kvstack.generate import _Runner
+from kvstack.generate import Runner
 from kvstack.methods.lowrank.base import Projection, principal_axes
 from kvstack.stack import Stack
 
@@ -20,7 +20,7 @@ def prompt(n, seed=0):
 def run(model, spec, budget, n=96, steps=4, rows=1, check=None):
     """Prefill `rows` prompts of n tokens, then decode `steps` tokens; `check(cache)` after each step."""
     cache = KVCache(model, spec, budget)
-    runner = _Runner(model, cache)
+    runner = Runner(model, cache)
     ids = torch.tensor([prompt(n, seed=r) for r in range(rows)])
     logits = runner.forward(ids, torch.ones_like(ids))
     for t in prompt(steps, seed=9):

@@ -9,7 +9,7 @@ from kvstack.cache.cache import KVCache
 from kvstack.cache.encoded import Uniform, Where, gather_rows, minmax
 from kvstack.cache.packing import BIT_WIDTHS, pack, packed_size, unpack
 from kvstack.errors import UserError
-from kvstack.generate import _Runner
+from kvstack.generate import Runner
 from kvstack.methods.quantize.cq import CodebookCodec
 from kvstack.methods.quantize.gear import GearCodec
 from kvstack.methods.quantize.quantile import QuantileCodec
@@ -34,7 +34,8 @@ STACKED = {name: f"{SNAP}+{spec}" for name, spec in QUANTIZERS.items()} | {"mikv
 
 
 def test_every_quantizer_is_covered():
-    assert set(STACKED) == {m for m, cls in all_methods().items() if hasattr(cls, "codecs") and cls.family != "lowrank"}
+    storers = {m for m, cls in all_methods().items() if "storer" in cls.declared_roles()}
+    assert set(STACKED) == {m for m in storers if all_methods()[m].family != "lowrank"}
 
 
 def prompt(n, seed=0):
@@ -192,7 +193,7 @@ def test_nbytes_is_the_sum_of_the_stored_tensors_and_falls_with_bits(llama):
     held = []
     for bits in (8, 4, 3, 2, 1):
         cache = KVCache(llama, f"kivi(bits={bits}, group=8, residual=8)", 1.0)
-        _Runner(llama, cache).forward(torch.tensor([prompt(96)]), torch.ones(1, 96, dtype=torch.long))
+        Runner(llama, cache).forward(torch.tensor([prompt(96)]), torch.ones(1, 96, dtype=torch.long))
         tensors = stored_tensors(cache)
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}  # each once
         assert cache.nbytes() == sum(storages.values())
@@ -205,7 +206,7 @@ def test_nbytes_is_the_sum_of_the_stored_tensors_and_falls_with_bits(llama):
 @pytest.mark.parametrize("method", list(QUANTIZERS))
 def test_quantizer_alone_keeps_every_token_in_fewer_bytes(tiny, method):
     cache = KVCache(tiny, QUANTIZERS[method], 1.0)
-    runner = _Runner(tiny, cache)
+    runner = Runner(tiny, cache)
     runner.forward(torch.tensor([prompt(80)]), torch.ones(1, 80, dtype=torch.long))
     for t in prompt(24, seed=1):
         logits = runner.forward(torch.tensor([[t]]), torch.ones(1, 1, dtype=torch.long))
@@ -223,7 +224,7 @@ ISSUE_STACK = {"pyramid(knorm)+adaquant": "pyramid(knorm)+adaquant(k=4, v=2, gro
 @pytest.mark.parametrize("method", [*STACKED, *ISSUE_STACK])
 def test_stacked_with_eviction_holds_the_byte_budget_while_decoding(llama, method):
     cache = KVCache(llama, (STACKED | ISSUE_STACK)[method], 0.25)
-    runner = _Runner(llama, cache)
+    runner = Runner(llama, cache)
     runner.forward(torch.tensor([prompt(200)]), torch.ones(1, 200, dtype=torch.long))
     assert cache.nbytes() <= 0.25 * cache.full_nbytes()
     for t in prompt(64, seed=2):
@@ -236,7 +237,7 @@ def test_two_bits_keep_more_tokens_than_eviction_alone_at_the_same_bytes(llama):
     counts = {}
     for spec in (SNAP, f"{SNAP}+kivi(bits=2, group=8, residual=16)"):
         cache = KVCache(llama, spec, 0.125)
-        _Runner(llama, cache).forward(torch.tensor([prompt(400)]), torch.ones(1, 400, dtype=torch.long))
+        Runner(llama, cache).forward(torch.tensor([prompt(400)]), torch.ones(1, 400, dtype=torch.long))
         counts[spec] = int(cache.layers[0].counts().sum())
         assert cache.nbytes() <= 0.125 * cache.full_nbytes()
     assert counts[f"{SNAP}+kivi(bits=2, group=8, residual=16)"] > 2.5 * counts[SNAP]
@@ -244,7 +245,7 @@ def test_two_bits_keep_more_tokens_than_eviction_alone_at_the_same_bytes(llama):
 
 def test_mikv_demotes_instead_of_evicting(llama):
     cache = KVCache(llama, f"mikv({SNAP}, hi=8, lo=2, group=8, residual=4)", 0.25)
-    runner = _Runner(llama, cache)
+    runner = Runner(llama, cache)
     runner.forward(torch.tensor([prompt(200)]), torch.ones(1, 200, dtype=torch.long))
     for t in prompt(8, seed=4):
         runner.forward(torch.tensor([[t]]), torch.ones(1, 1, dtype=torch.long))
@@ -262,11 +263,11 @@ def test_mikv_keeps_the_scorers_choice_at_high_precision(llama):
     """The tokens kept at high precision are the ones the scorer alone would keep."""
     ids = torch.tensor([prompt(120)])
     plain = KVCache(llama, SNAP, 0.5)
-    _Runner(llama, plain).forward(ids, torch.ones(1, 120, dtype=torch.long))
+    Runner(llama, plain).forward(ids, torch.ones(1, 120, dtype=torch.long))
     mixed = KVCache(llama, f"mikv({SNAP}, hi=8, lo=1, group=8, residual=0)", 1.0)
-    mixed.budget = plain.budget
-    mixed.uniform = plain.uniform  # same token count at high precision as eviction keeps
-    _Runner(llama, mixed).forward(ids, torch.ones(1, 120, dtype=torch.long))
+    mixed.budget = mixed.policy.budget = mixed.policy.shares.budget = plain.budget
+    mixed.policy.shares.uniform = plain.policy.shares.uniform  # same token count at high precision as eviction keeps
+    Runner(llama, mixed).forward(ids, torch.ones(1, 120, dtype=torch.long))
     kept = set(plain.layers[1].dense_slots()[0, 0].tolist())
     layer = mixed.layers[1]
     slots, demoted = layer.dense_slots()[0, 0], layer.dense_demoted()[0, 0]
@@ -307,15 +308,15 @@ def test_a_residual_window_or_codebooks_larger_than_a_fraction_budget_are_refuse
     ids = torch.tensor([prompt(200)])
     # 0.0625 of 200 tokens pays for 12 at full precision: a 16-token window (+7 for a group) does not fit
     with pytest.raises(UserError, match=r"residual window .* use kivi\(residual=0\)"):
-        _Runner(llama, KVCache(llama, f"{SNAP}+kivi(group=8, residual=16)", 0.0625)).forward(ids, torch.ones_like(ids))
+        Runner(llama, KVCache(llama, f"{SNAP}+kivi(group=8, residual=16)", 0.0625)).forward(ids, torch.ones_like(ids))
     # 256 centroids x 16 dims in float16, for keys and values: 16 KiB per head, above 0.125 of 200 tokens (3.2 KiB)
     with pytest.raises(UserError, match=r"tables take 16384 bytes per head"):
-        _Runner(llama, KVCache(llama, f"{SNAP}+cq(bits=2, channels=4, tokens=64)", 0.125)).forward(
+        Runner(llama, KVCache(llama, f"{SNAP}+cq(bits=2, channels=4, tokens=64)", 0.125)).forward(
             ids, torch.ones_like(ids)
         )
     # a prompt shorter than the window is simply held at full precision
     short = torch.tensor([prompt(12)])
-    _Runner(llama, KVCache(llama, f"{SNAP}+kivi(group=8, residual=16)", 0.0625)).forward(short, torch.ones_like(short))
+    Runner(llama, KVCache(llama, f"{SNAP}+kivi(group=8, residual=16)", 0.0625)).forward(short, torch.ones_like(short))
 
 
 def test_a_residual_window_larger_than_a_token_budget_is_refused():
@@ -336,7 +337,7 @@ def test_tokens_held_at_several_precisions_keep_their_slots(llama, spec, budget)
     ids, follow = prompt(160), prompt(40, seed=5)
     caches = [KVCache(llama, "full"), KVCache(llama, spec, budget)]
     for cache in caches:
-        runner = _Runner(llama, cache)
+        runner = Runner(llama, cache)
         runner.forward(torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long))
         for t in follow:
             runner.forward(torch.tensor([[t]]), torch.ones(1, 1, dtype=torch.long))
@@ -362,7 +363,7 @@ def test_a_padded_batch_under_mikv_holds_its_budget_and_carries_no_empty_places(
     ids = torch.tensor([[0] * 70 + short, long])
     mask = torch.tensor([[0] * 70 + [1] * 150, [1] * 220])
     cache = KVCache(llama, f"mikv({SNAP}, hi=8, lo=2, group=8, residual=4)", 0.3)
-    runner = _Runner(llama, cache)
+    runner = Runner(llama, cache)
     runner.forward(ids, mask)
     for t in prompt(24, seed=8):
         runner.forward(torch.tensor([[t], [t]]), torch.ones(2, 1, dtype=torch.long))

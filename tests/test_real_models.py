@@ -174,7 +174,7 @@ def test_auto_plans_bytes_the_real_cache_then_holds(name):
     over their 512-token window."""
     from kvstack.cache.budget import Budget
     from kvstack.calibrate.prose import calibration_ids
-    from kvstack.generate import _Runner
+    from kvstack.generate import Runner
     from kvstack.stack import Stack
 
     lm = kvstack.load(name)
@@ -184,7 +184,7 @@ def test_auto_plans_bytes_the_real_cache_then_holds(name):
     for budget in ("0.0625", "1MB"):
         planned = Stack.parse(spec).stages[0].plan_for(lm.model, Budget.parse(budget), 2048)
         cache = KVCache(lm.model, spec, budget)
-        _Runner(lm.model, cache).forward(ids, torch.ones_like(ids))
+        Runner(lm.model, cache).forward(ids, torch.ones_like(ids))
         assert cache.plan.tokens == planned.tokens and cache.plan.storages == planned.storages
         assert cache.nbytes() == planned.total_bytes
         assert cache.full_nbytes() == planned.full_bytes

@@ -2,8 +2,8 @@
 
 import pytest
 
-from kvstack.bench.jobs import threads_per_job
-from kvstack.bench.runner import Sweep, plan, run_sweep, score
+from kvstack.bench.jobs import run_sweep, threads_per_job
+from kvstack.bench.runner import Sweep, plan, score
 from kvstack.bench.store import Store
 from kvstack.errors import UserError
 from tiny import tiny_loaded

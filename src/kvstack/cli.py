@@ -188,7 +188,7 @@ def plan(
     except UserError as e:
         _fail(str(e))
         return
-    from kvstack.cache.cache import text_config
+    from kvstack.models.config import text_config
 
     types = getattr(text_config(lm.model.config), "layer_types", None) or []
     out.print(_plan_table(result, model, types))
@@ -310,8 +310,7 @@ def bench(
 
 def _sweep(sweep: Sweep, out_dir: Path, jobs: int) -> int:
     """Check everything that can be checked before loading, load the model, run the sweep."""
-    from kvstack.bench.jobs import threads_per_job
-    from kvstack.bench.runner import run_sweep
+    from kvstack.bench.jobs import run_sweep, threads_per_job
     from kvstack.bench.store import Store
 
     if sweep.rivals:

@@ -16,7 +16,10 @@ import torch
 
 from kvstack.cache.budget import Budget
 from kvstack.cache.cache import KVCache
+from kvstack.cache.statistics import PROMPT_PASSES
 from kvstack.errors import UserError
+from kvstack.methods.base import Stage
+from kvstack.methods.registry import provider
 from kvstack.stack import Stack
 from kvstack.timing import now
 
@@ -70,20 +73,33 @@ def _left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.T
     return ids, mask
 
 
-class _Runner:
-    """Feeds chunks to the model, keeping the 2D mask and positions of the whole sequence."""
+class Runner:
+    """Feeds chunks to the model, keeping the 2D mask and positions of the whole sequence, and
+    calls the stages' lifecycle hooks (`Stage.prompt_done`, `Stage.step_done`) after each chunk.
 
-    def __init__(self, model: Any, cache: KVCache) -> None:
+    `hooks`: the stages whose hooks run; by default every stage of the cache's stack (a cache
+    observing for other stacks' forks passes theirs). A statistic the cache observes that a pass
+    over the prompt records (`cache.statistics.PROMPT_PASSES`) adds its provider if none is there."""
+
+    def __init__(self, model: Any, cache: KVCache, hooks: list[Stage] | None = None) -> None:
         self.model, self.cache = model, cache
+        self.hooks = list(cache.stack.parts if hooks is None else hooks)
+        provided = frozenset().union(*(stage.provides for stage in self.hooks))
+        self.hooks += [provider(name) for name in sorted(cache.needs & PROMPT_PASSES - provided)]
         self.mask: torch.Tensor | None = None
         self.last_logits: torch.Tensor | None = None
         self.rows: list[list[int]] = []  # each sequence's real tokens so far (KVzip re-reads them)
 
-    def fork(self, stack: Stack, budget: Budget) -> _Runner:
+    def fork(self, stack: Stack | str, budget: Budget | str | float) -> Runner:
         """A runner over a compressed copy of this runner's cache, at the same point of the sequence."""
-        runner = _Runner(self.model, self.cache.fork(stack, budget))
-        runner.mask, runner.last_logits, runner.rows = self.mask, self.last_logits, self.rows
+        runner = Runner(self.model, self.cache.fork(stack, budget))
+        runner.mask, runner.last_logits = self.mask, self.last_logits
+        runner.rows = [list(row) for row in self.rows]
         return runner
+
+    def forward_rows(self, rows: list[list[int]], pad_id: int = 0) -> torch.Tensor:
+        """Run one chunk given as token ids per sequence (left-padded to the longest); last logits (b, vocab)."""
+        return self.forward(*_left_pad(rows, pad_id))
 
     def prefill(self, ids: torch.Tensor, mask: torch.Tensor, chunk: int | None = None) -> torch.Tensor:
         """Run a prompt (b, n), in chunks of `chunk` tokens when given: the cache compresses after
@@ -118,20 +134,14 @@ class _Runner:
             cache_position=torch.arange(start, self.mask.shape[1], device=device),
         )
         self.last_logits = out.logits[:, -1].float()
-        if "reconstruction" in self.cache.needs:  # only KVzip re-reads the tokens: keep them for it alone
-            self.rows = [r + ids[i][chunk_mask[i].bool()].tolist() for i, r in enumerate(self.rows or [[]] * len(ids))]
-        if ids.shape[1] > 1 and self.cache.waiting:
-            _reread(self, self.rows)
-        if "confidence" in self.cache.needs:
-            self.cache.confidence = confidence(self.last_logits)
+        self.rows = self.rows or [[] for _ in range(len(ids))]
+        for row, chunk, real in zip(self.rows, ids.tolist(), chunk_mask.bool().tolist(), strict=True):
+            row.extend(token for token, keep in zip(chunk, real, strict=True) if keep)
+        for stage in self.hooks:
+            if ids.shape[1] > 1:
+                stage.prompt_done(self)
+            stage.step_done(self.cache, self.last_logits)
         return self.last_logits if at is None else out.logits[:, :-1].float()  # the last is there for last_logits
-
-
-def confidence(logits: torch.Tensor) -> torch.Tensor:
-    """(b,) 1 - normalised entropy of the next-token distribution for logits (b, vocab): 1 = certain."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    entropy = -(logp.exp() * logp).sum(-1)
-    return (1.0 - entropy / torch.log(torch.tensor(float(logits.shape[-1])))).clamp(0.0, 1.0)
 
 
 def warm_up(model: Any) -> None:
@@ -199,7 +209,7 @@ def generate_ids(
     check_prompts(model, prompts, max_new_tokens, stack, budget)
     if prefill_chunk is not None and prefill_chunk < 2:
         raise UserError(f"prefill chunk of {prefill_chunk} tokens: give at least 2 (e.g. 512)")
-    runner = _Runner(model, KVCache(model, stack, budget))
+    runner = Runner(model, KVCache(model, stack, budget))
     start = now(model.device)
     if query_agnostic:
         runner.prefill(*_left_pad([p.context for p in prompts], pad_id), prefill_chunk)
@@ -297,49 +307,15 @@ def _parse_configs(configs: list[tuple[Stack | str, Budget | str | float]]) -> l
     return [(s if isinstance(s, Stack) else Stack.parse(s), Budget.parse(b)) for s, b in configs]
 
 
-def _observing_runner(model: Any, stacks: list[tuple[Stack, Budget]]) -> _Runner:
+def _observing_runner(model: Any, stacks: list[tuple[Stack, Budget]]) -> Runner:
     """A runner over a full cache that records what every stack needs, so each can be forked from it."""
     needs = frozenset().union(*(s.needs for s, _ in stacks))
     window = max((s.query_window for s, _ in stacks), default=0)
-    return _Runner(model, KVCache(model, "full", 1.0, observe=needs, query_window=window))
+    hooks = [part for s, _ in stacks for part in s.parts]  # e.g. KVzip's re-reading, once for all its forks
+    return Runner(model, KVCache(model, "full", 1.0, observe=needs, query_window=window), hooks)
 
 
-def _reread(runner: _Runner, rows: list[list[int]], pad_id: int = 0) -> float:
-    """KVzip's pass, run by `_Runner.forward` after a prompt when the cache waits for it:
-    teacher-force "repeat the context" on forks of the prompt's cache, record the most attention
-    each prompt token gets from the reconstruction, then compress. Seconds spent, billed to the
-    cache's compression clock and kept as `cache.reread_s` (forks of a shared prefill add it)."""
-    cache = runner.cache
-    from kvstack.methods.evict.kvzip import KVzip, reconstruction_chunks
-
-    device = runner.model.device
-    started = now(device)
-    method = next((s for s in cache.stack.selection if isinstance(s, KVzip)), KVzip())
-    repeat, part = getattr(runner.model, "_kvstack_repeat_ids", ([], []))
-    chunks = [reconstruction_chunks(row, method.chunk_size, repeat, part) for row in rows]
-    held = [layer.head_len(0) for layer in cache.layers]  # a full cache: every head holds the prompt
-    scores = [
-        [torch.zeros(layer.batch, held[i], device=device) for _ in range(layer.n_kv_heads)]
-        for i, layer in enumerate(cache.layers)
-    ]
-    for c in range(max(len(ch) for ch in chunks)):
-        fork = runner.fork(Stack.parse("full"), Budget.parse(1.0))
-        fork.cache.extra_needs = frozenset({"max_attention"})
-        fork.cache.windowless_statistics = True  # a sliding layer's tokens are scored by the queries repeating them
-        fork.forward(*_left_pad([ch[c] if c < len(ch) else [] for ch in chunks], pad_id))
-        for i, layer in enumerate(fork.cache.layers):
-            for h, most in enumerate(layer.stats["max_attention"]):
-                scores[i][h] = torch.maximum(scores[i][h], most[:, : held[i]])
-    for layer, per_head in zip(cache.layers, scores, strict=True):
-        layer.stats["reconstruction"] = per_head
-    seconds = now(device) - started
-    cache.compress_clock.add(seconds)
-    cache.reread_s += seconds
-    cache.compress_all()
-    return seconds
-
-
-def _ask(runner: _Runner, prompts: list[Prompt], pad_id: int) -> torch.Tensor | None:
+def _ask(runner: Runner, prompts: list[Prompt], pad_id: int) -> torch.Tensor | None:
     """Append the questions uncompressed (exempt) after a compressed context; last logits."""
     before = runner.last_logits
     if not any(p.question for p in prompts):
@@ -353,7 +329,7 @@ def _ask(runner: _Runner, prompts: list[Prompt], pad_id: int) -> torch.Tensor | 
 
 
 def _finish(
-    runner: _Runner,
+    runner: Runner,
     logits: torch.Tensor | None,
     prefill_s: float,
     max_new_tokens: int,

@@ -16,6 +16,7 @@ from kvstack.cache.budget import Budget
 from kvstack.errors import UserError, unknown_name
 from kvstack.methods.allocate.base import Allocator
 from kvstack.methods.base import SELECTION, Method, Stage
+from kvstack.methods.lowrank.base import Projected, can_follow_projection
 from kvstack.methods.registry import method_class
 
 
@@ -34,21 +35,19 @@ class Stack:
         if text.startswith("plan:"):  # a plan saved by `kvstack plan --save`
             return cls((_parse_stage(f"auto(plan={text[5:]!r})"),))
         stages = tuple(_parse_stage(part) for part in _split_top(text, "+"))
-        if len(stages) > 1 and any(s.family == "auto" for s in stages):
+        if len(stages) > 1 and any(s.plays("planner") for s in stages):
             raise UserError(f"'{spec}': auto chooses the whole stack (scorers, tokens, bits): use it alone")
         evictors = [s for s in stages if s.family in SELECTION]
         if len(evictors) > 1:
             names = " + ".join(s.name for s in evictors)
             raise UserError(f"'{spec}' stacks two eviction methods ({names}): keep one")
-        storing = [p for s in stages for p in s.chain() if hasattr(p, "codecs")]
+        storing = [p for s in stages for p in s.chain() if p.plays("storer")]
         projectors = [p for p in storing if p.family == "lowrank"]
         quantizers = [p for p in storing if p.family != "lowrank"]
         for kind, found in (("quantizers", quantizers), ("low-rank stages", projectors)):
             if len(found) > 1:
                 raise UserError(f"'{spec}' stacks two {kind} ({' + '.join(q.name for q in found)}): keep one")
         if projectors and quantizers:
-            from kvstack.methods.lowrank.base import can_follow_projection
-
             projector, quantizer = projectors[0], quantizers[0]
             if not projector.codes_coefficients:
                 raise UserError(
@@ -61,7 +60,7 @@ class Stack:
                     f"'{spec}': {quantizers[0].name} cannot code {projectors[0].name}'s coefficients ({why}): "
                     "use kivi, int, adaquant, quantile or gear with a projection"
                 )
-        joiners = [s for s in stages if hasattr(s, "join")]
+        joiners = [s for s in stages if s.plays("joiner")]
         if len(joiners) > 1:
             raise UserError(f"'{spec}' stacks two cross-layer stages: keep one")
         stack = cls(stages)
@@ -117,10 +116,8 @@ class Stack:
     def quantizer(self) -> Any:
         """What decides how kept tokens are stored (a `Quantizer`, MiKV, a low-rank `Projector`, or
         a projector whose coefficients a quantizer codes), or None."""
-        storing = [part for stage in self.stages for part in stage.chain() if hasattr(part, "codecs")]
+        storing = [part for stage in self.stages for part in stage.chain() if part.plays("storer")]
         if len(storing) == 2:
-            from kvstack.methods.lowrank.base import Projected
-
             projector = next(p for p in storing if p.family == "lowrank")
             return Projected(projector, next(p for p in storing if p is not projector))
         return storing[0] if storing else None
@@ -128,32 +125,42 @@ class Stack:
     @property
     def merger(self) -> Any:
         """The selection stage that merges the tokens it leaves out into kept ones, or None."""
-        return next((s for s in self.selection if getattr(s, "merges", False)), None)
+        return next((s for s in self.selection if s.plays("merger")), None)
 
     @property
     def joiner(self) -> Any:
         """The cross-layer stage that joins adjacent layers' states (MiniCache, xKV), or None."""
-        return next((s for s in self.stages if hasattr(s, "join")), None)
+        return next((s for s in self.stages if s.plays("joiner")), None)
 
     @property
     def demotes(self) -> bool:
         """True when tokens the selection leaves out are kept at low precision (MiKV), not evicted."""
-        return self.evictor is not None and hasattr(self.evictor, "demote_codecs")
+        return self.evictor is not None and self.evictor.plays("demoter")
 
     @property
     def compensates(self) -> bool:
         """True when evicted tokens are averaged into a compensation token per head (RazorAttention)."""
-        return any(getattr(s, "compensate", False) for s in self.selection)
+        return any(s.plays("folder") for s in self.selection)
 
     @property
     def allocators(self) -> list[Allocator]:
         """The budget allocators around the evictor, outermost first."""
-        return [s for s in self.selection if isinstance(s, Allocator)]
+        return [s for s in self.selection if s.plays("allocator")]  # type: ignore[misc]
+
+    @property
+    def planner(self) -> Any:
+        """The stage that plans the whole stack per head (`auto`), or None."""
+        return next((s for s in self.selection if s.plays("planner")), None)
 
     @property
     def whole_prompt(self) -> bool:
         """True when an allocator needs every layer's view of the prompt before compressing."""
         return any(a.whole_prompt for a in self.allocators)
+
+    @property
+    def parts(self) -> list[Stage]:
+        """Every stage of the stack and every stage they wrap, outermost first."""
+        return [part for stage in self.stages for part in stage.chain()]
 
     @property
     def needs(self) -> frozenset[str]:

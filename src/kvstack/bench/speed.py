@@ -114,11 +114,11 @@ def _kvstack_run(
     """kvstack's cache through its own loop (`generate`): (prefill s incl. compression, decode s,
     bytes after prompt, bytes at end, peak bytes during the prompt)."""
     from kvstack.cache.cache import KVCache
-    from kvstack.generate import _Runner
+    from kvstack.generate import Runner
 
     assert engine.stack is not None
     cache = KVCache(model, engine.stack, engine.budget)
-    runner = _Runner(model, cache)
+    runner = Runner(model, cache)
     device = model.device
     start = now(device)
     logits = runner.prefill(ids, torch.ones_like(ids), chunk)

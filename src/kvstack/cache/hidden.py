@@ -18,7 +18,7 @@ the module whose output is added to the residual: `self_attn` (Llama), or
 
 Timing: the cache compresses a whole-prompt stack inside the last layer's attention, before
 that layer's attention output exists. While a hook still owes its layer's value, the layer is
-in `cache.pending_signals` and the cache waits; the last hook then calls `cache.compress_all()`.
+in `cache.pending_signals` and the cache waits; the last hook then calls `cache.policy.compress_all()`.
 """
 
 from __future__ import annotations
@@ -78,9 +78,8 @@ def _real_tokens(kwargs: dict[str, Any], hidden: torch.Tensor) -> torch.Tensor:
 
 
 def _wants(cache: Any) -> bool:
-    from kvstack.cache.cache import KVCache
-
-    return isinstance(cache, KVCache) and SIGNAL in cache.needs
+    """True for a kvstack cache whose stack needs the signal (any other cache has no `needs`)."""
+    return SIGNAL in getattr(cache, "needs", frozenset())
 
 
 def _record(cache: KVCache, layer_idx: int, residual: torch.Tensor, added: torch.Tensor, real: torch.Tensor) -> None:
@@ -120,7 +119,7 @@ def install(model: Any) -> None:
             _record(cache, idx, residual, added.detach(), real)
             cache.pending_signals.discard(idx)
             if idx == len(cache.layers) - 1 and cache.stack.whole_prompt and not cache.pending_signals:
-                cache.compress_all()  # the prompt waited for this layer's value (see module docstring)
+                cache.policy.compress_all()  # the prompt waited for this layer's value (see module docstring)
 
         layer.register_forward_pre_hook(before, with_kwargs=True)
         sandwich = hasattr(layer, "pre_feedforward_layernorm") and hasattr(layer, "post_attention_layernorm")

@@ -22,7 +22,7 @@ import torch
 
 from kvstack.cache.encoded import Codec, Encoded, Uniform, Where, gather_rows
 from kvstack.cache.heads import PerHead
-from kvstack.methods.select import Keep
+from kvstack.cache.keep import Keep
 
 SLOT_DTYPE = torch.int32
 WEIGHT = "log_count"  # per-token statistic: log of how many tokens a merged entry stands for

@@ -14,6 +14,9 @@ from kvstack.cache.attention import attention_probs, head_mask
 from kvstack.cache.layer import CompressedLayer
 
 STATISTICS = frozenset({"attention_sum", "last_attention", "max_attention"})
+# statistics a pass over the prompt records after it went in (a stage's `prompt_done` hook), not
+# the attention: the cache waits for them before it compresses (KVzip's reconstruction scores)
+PROMPT_PASSES = frozenset({"reconstruction"})
 CHUNK = 256  # queries per chunk when probabilities are materialised
 
 

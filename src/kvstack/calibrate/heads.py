@@ -27,8 +27,9 @@ from typing import Any
 
 import torch
 
-from kvstack.cache.cache import KVCache, text_config
+from kvstack.cache.factory import full_cache
 from kvstack.calibrate.store import Ticker
+from kvstack.models.config import text_config
 
 SPAN = 16  # needle length in ids
 CUE = 4  # needle ids given before the teacher-forced rest
@@ -239,9 +240,7 @@ def sliced_shapley(
     return ssv
 
 
-def coalition_logprob(
-    model: Any, full: KVCache, inside: torch.Tensor, query: torch.Tensor, answer: torch.Tensor
-) -> float:
+def coalition_logprob(model: Any, full: Any, inside: torch.Tensor, query: torch.Tensor, answer: torch.Tensor) -> float:
     """Mean log-probability of `answer` (b, a) after `query` (b, q) (its last a - 1 ids are the
     answer's first ones, teacher-forced) when the KV heads marked in `inside` (L, h) keep the
     whole prefilled context of `full` and the others only its last RECENT tokens."""
@@ -250,7 +249,7 @@ def coalition_logprob(
         counts = layer.counts()  # (b, h)
         keep = torch.where(keeps_all.to(counts.device), counts, counts.clamp(max=RECENT))
         if bool((keep < counts).any()):
-            cache.compress_layer(layer, keep)
+            cache.policy.compress_layer(layer, keep)
     logits = model(input_ids=query, past_key_values=cache, use_cache=True).logits
     logp = torch.log_softmax(logits[:, -answer.shape[1] :].float(), dim=-1)
     return float(logp.gather(-1, answer.unsqueeze(-1)).mean())
@@ -271,7 +270,7 @@ def cokv_ssv(model: Any, samples: int = 16, length: int | None = None) -> torch.
     n = n_layers * n_kv
     with Ticker("calibrating cokv (Shapley values of heads)", 2 * samples * len(slice_sizes(n))) as ticker:
         with torch.inference_mode():
-            full = KVCache(model)
+            full = full_cache(model)
             model(input_ids=context.to(device), past_key_values=full, use_cache=True)
 
             def value(inside: torch.Tensor) -> float:

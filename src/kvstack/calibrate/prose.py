@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from kvstack.cache.factory import full_cache
 from kvstack.errors import UserError
 
 
@@ -36,13 +37,11 @@ def prompt_prefix(model: Any) -> list[int]:
 def calibration_states(model: Any, samples: int, tokens: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer (keys, values), each (h_kv, N, d) float32 on the CPU: what a full cache holds
     after reading `samples` rows of calibration text (post-RoPE keys), rows concatenated."""
-    from kvstack.cache.cache import KVCache
-
     keys: list[list[torch.Tensor]] = []
     values: list[list[torch.Tensor]] = []
     with torch.no_grad():
         for row in calibration_ids(model, samples, tokens):
-            cache = KVCache(model, "full", 1.0)
+            cache = full_cache(model)
             model(row.unsqueeze(0).to(model.device), past_key_values=cache)
             for i, layer in enumerate(cache.layers):
                 if len(keys) <= i:

@@ -25,8 +25,9 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from kvstack.cache.cache import text_config
 from kvstack.calibrate.prose import prompt_prefix
+from kvstack.models.config import text_config
+from kvstack.paths import cache_dir
 
 _MEMO: dict[tuple[str, str], torch.Tensor] = {}
 
@@ -34,8 +35,6 @@ _MEMO: dict[tuple[str, str], torch.Tensor] = {}
 def calibration_dir() -> Path:
     """The folder of saved calibrations: $KVSTACK_CALIBRATION, else `calibration/` in kvstack's
     cache directory ($KVSTACK_CACHE, like the converted models)."""
-    from kvstack.models.loading import cache_dir
-
     own = os.environ.get("KVSTACK_CALIBRATION")
     return Path(own) if own else cache_dir() / "calibration"
 

@@ -1,1 +1,2 @@
-"""Compression methods, one file each, grouped by family (evict/ now; quant/, merge/, lowrank/ next)."""
+"""Compression methods, one file each, grouped by family: evict/ allocate/ quantize/ merge/ lowrank/
+crosslayer/. `registry` finds every file; `auto`, the planner over them all, is in `kvstack.planning`."""

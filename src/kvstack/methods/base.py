@@ -20,6 +20,12 @@ if TYPE_CHECKING:
 
 
 SELECTION = ("evict", "reference", "allocate", "merge", "auto")  # families of stages that choose the tokens kept
+# what a stage does in a stack, declared by its classes' `role` (a stage may play several):
+# scorer (scores tokens), allocator (splits the budget), storer (codes kept tokens), merger (folds
+# the tokens a selection leaves out into kept ones), demoter (keeps them at low precision instead),
+# folder (averages them into one compensation token), joiner (shares state across layers),
+# planner (decides the whole stack per head from one byte budget)
+ROLES = ("scorer", "allocator", "storer", "merger", "demoter", "folder", "joiner", "planner")
 
 
 class Observation:
@@ -155,6 +161,34 @@ class Stage:
     family: ClassVar[str] = ""
     paper: ClassVar[str] = ""
     needs: ClassVar[frozenset[str]] = frozenset()
+    role: ClassVar[str] = ""  # one of ROLES, declared by the class that gives a stage that role
+    provides: ClassVar[frozenset[str]] = frozenset()  # statistics its `prompt_done` hook records
+
+    @classmethod
+    def declared_roles(cls) -> frozenset[str]:
+        """The `role` of each of this class's classes: what its stages play unless their
+        parameters turn a role off (`roles`)."""
+        return frozenset(k.__dict__["role"] for k in cls.__mro__ if k.__dict__.get("role"))
+
+    @property
+    def roles(self) -> frozenset[str]:
+        """Every role this stage plays (a stage whose parameters turn a role off overrides this)."""
+        return self.declared_roles()
+
+    def plays(self, role: str) -> bool:
+        """True when this stage plays `role` (one of ROLES)."""
+        assert role in ROLES, role
+        return role in self.roles
+
+    # ---- lifecycle hooks: the loop that runs the model calls them; most stages need none ----
+    def prompt_done(self, runner: Any) -> None:
+        """A prompt (or a prompt chunk) went through the model. `runner` is the loop's
+        (`kvstack.generate.Runner`): its `cache`, `rows` (each sequence's tokens so far), `fork`
+        and `forward_rows`, for a stage that runs the model again (KVzip's re-reading)."""
+
+    def step_done(self, cache: Any, logits: torch.Tensor) -> None:
+        """The model predicted the next token's logits (b, vocab) with `cache` (CONF-KV reads
+        its confidence here)."""
 
     def params(self) -> dict[str, Any]:
         """Hyper-parameters and their values."""
@@ -188,6 +222,7 @@ class Method(Stage):
     2k went from 0.3 to 0.7).
     """
 
+    role: ClassVar[str] = "scorer"
     cadence_from_inner: ClassVar[bool] = False  # a re-scorer decodes at its wrapped scorer's cadence
     every: int | None = field(default=None, kw_only=True)
     decode_window: int = field(default=16, kw_only=True)

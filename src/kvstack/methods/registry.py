@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
+
 from kvstack.errors import unknown_name
 from kvstack.methods.base import Stage
 
 METHODS: dict[str, type[Stage]] = {}
+FAMILIES = ("evict", "allocate", "quantize", "merge", "lowrank", "crosslayer")  # folders of methods/
+_LOADED: list[bool] = []
 
 
 def register(cls: type[Stage]) -> type[Stage]:
@@ -22,6 +27,16 @@ def method_class(name: str) -> type[Stage]:
     return METHODS[name]
 
 
+def provider(statistic: str) -> Stage:
+    """A stage, with its defaults, whose `prompt_done` hook records `statistic` (KVzip's
+    "reconstruction"), for a cache that observes it without such a stage in its stack."""
+    _load_all()
+    for cls in METHODS.values():
+        if statistic in cls.provides:
+            return cls()
+    raise ValueError(f"no method records the statistic {statistic!r}")
+
+
 def all_methods() -> dict[str, type[Stage]]:
     """Every registered method, by name."""
     _load_all()
@@ -29,10 +44,15 @@ def all_methods() -> dict[str, type[Stage]]:
 
 
 def _load_all() -> None:
-    import kvstack.methods.allocate  # noqa: F401  (registers the budget allocators)
-    import kvstack.methods.auto  # noqa: F401  (registers `auto`, the rate-distortion planner)
-    import kvstack.methods.crosslayer  # noqa: F401  (registers the cross-layer stages)
-    import kvstack.methods.evict  # noqa: F401  (registers the eviction family)
-    import kvstack.methods.lowrank  # noqa: F401  (registers the low-rank stages)
-    import kvstack.methods.merge  # noqa: F401  (registers the merging family)
-    import kvstack.methods.quantize  # noqa: F401  (registers the quantizers)
+    """Import every module of the method families once (each registers its stages) and `auto`:
+    the plugin catalog, the one place that loads every method by name. A new method is a new
+    file in its family's folder; nothing lists it."""
+    if _LOADED:
+        return
+    for family in FAMILIES:
+        package = importlib.import_module(f"kvstack.methods.{family}")
+        for module in pkgutil.iter_modules(package.__path__):
+            importlib.import_module(f"{package.__name__}.{module.name}")
+    import kvstack.planning.auto  # noqa: F401  (registers `auto`, the rate-distortion planner)
+
+    _LOADED.append(True)

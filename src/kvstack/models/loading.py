@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import io
-import os
 import shutil
 import sys
 from dataclasses import dataclass
@@ -18,12 +17,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from platformdirs import user_cache_dir
 from rich.console import Console
 from rich.progress import Progress
 
 from kvstack.errors import UserError, unknown_name
 from kvstack.models.registry import MODELS, ModelSpec
+from kvstack.paths import cache_dir
 
 DONE = "kvstack-converted"
 PROGRESS = Console(file=sys.stderr)  # bound now: stays visible while conversion output is silenced
@@ -56,11 +55,6 @@ class LoadedModel:
     @property
     def max_context(self) -> int:
         return int(getattr(self.model.config.get_text_config(), "max_position_embeddings", 0) or 0)
-
-
-def cache_dir() -> Path:
-    """Where assembled and converted models live ($KVSTACK_CACHE overrides)."""
-    return Path(os.environ.get("KVSTACK_CACHE") or user_cache_dir("kvstack"))
 
 
 def default_dtype() -> torch.dtype:

@@ -105,7 +105,7 @@ def measure(
     its squared attention-output error over the layer's output energy (see module docstring)."""
     from kvstack.cache.cache import KVCache
     from kvstack.calibrate.prose import calibration_ids
-    from kvstack.generate import _Runner
+    from kvstack.generate import Runner
 
     needs = frozenset().union(*(s.needs for s in scorers))
     _, part = getattr(model, "_kvstack_repeat_ids", ([], []))
@@ -115,7 +115,7 @@ def measure(
     for row in calibration_ids(model, samples, tokens + probe):
         context, probes = probe_set(row, tokens, list(part), generator)
         cache = KVCache(model, "full", 1.0, observe=needs, query_window=window)
-        runner = _Runner(model, cache)
+        runner = Runner(model, cache, hooks=list(scorers))  # their passes (KVzip re-reads the prompt)
         runner.forward(context[None], torch.ones(1, tokens, dtype=torch.long))
         held = []
         for layer in cache.layers:

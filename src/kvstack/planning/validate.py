@@ -220,7 +220,7 @@ def losses(
     stack executing that decision; candidates it gives the same stack object are run once (a
     32-token window the budget cannot pay for leaves a plain plan, the same for every width)."""
     from kvstack.cache.cache import KVCache
-    from kvstack.generate import _Runner
+    from kvstack.generate import Runner
     from kvstack.stack import Stack
 
     encode = getattr(model, "_kvstack_encode", None)
@@ -233,7 +233,7 @@ def losses(
                 "use auto(tokens=...) with fewer tokens"
             )
         context, probes, answers = fact_probes(row, tokens, encode, generator)
-        source = _Runner(model, KVCache(model, "full", 1.0, observe=needs, query_window=window))
+        source = Runner(model, KVCache(model, "full", 1.0, observe=needs, query_window=window))
         source.forward(context[None], torch.ones(1, tokens, dtype=torch.long))
         follow = torch.cat(probes)[None]
         ones = torch.ones_like(follow)

@@ -11,14 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import torch
 
 from kvstack.methods.base import Method, Observation, Stage
-
-if TYPE_CHECKING:
-    from kvstack.cache.cache import KVCache
 
 
 def default_scorer(name: str = "snapkv") -> Method:
@@ -36,25 +33,25 @@ class Plan:
     first access; `signals` holds per-layer measurements recorded during the forward pass.
     """
 
-    def __init__(self, cache: KVCache, base: torch.Tensor, room: torch.Tensor) -> None:
-        self._cache = cache
+    def __init__(self, policy: Any, base: torch.Tensor, room: torch.Tensor) -> None:
+        self._policy = policy  # the cache's `kvstack.policy.Policy`
         self.base, self.room = base, room
-        self.layers = cache.layers
-        self.n_layers = len(cache.layers)
-        self.n_heads = cache.layers[0].n_kv_heads
-        self.signals = cache.signals
-        self.calibration = cache.calibration  # kind -> table measured on the model (head allocators)
+        self.layers = policy.cache.layers
+        self.n_layers = len(self.layers)
+        self.n_heads = self.layers[0].n_kv_heads
+        self.signals = policy.cache.signals
+        self.calibration = policy.calibration  # kind -> table measured on the model (head allocators)
         self._scores: dict[int, torch.Tensor] = {}
 
     def observation(self, layer_idx: int) -> Observation:
         layer = self.layers[layer_idx]
         keep = self.base[layer_idx].unsqueeze(1).expand(-1, layer.n_kv_heads)
-        return Observation(layer, keep, self._cache.seq.token_index())
+        return Observation(layer, keep, self._policy.cache.seq.token_index())
 
     def scores(self, layer_idx: int) -> torch.Tensor:
         """(b, h, t) the stack's scorer on layer `layer_idx`, exempt tokens at +inf."""
         if layer_idx not in self._scores:
-            self._scores[layer_idx] = self._cache.scores(self.observation(layer_idx))
+            self._scores[layer_idx] = self._policy.scores(self.observation(layer_idx))
         return self._scores[layer_idx]
 
     @cached_property
@@ -74,6 +71,7 @@ class Allocator(Stage):
     """
 
     family: ClassVar[str] = "allocate"
+    role: ClassVar[str] = "allocator"
     whole_prompt: ClassVar[bool] = False
     splits: ClassVar[bool] = False  # True when `split` moves budget between a layer's heads
     scorer: Stage = field(default_factory=default_scorer)

@@ -77,8 +77,9 @@ class D2O(Allocator, Merger):
     log_count: bool = False
 
     @property
-    def merges(self) -> bool:  # type: ignore[override]
-        return self.recall
+    def roles(self) -> frozenset[str]:
+        """A merger only while it recalls (recall=True); else it evicts what it leaves out."""
+        return super().roles if self.recall else super().roles - {"merger"}
 
     def merge(self, obs: Observation, kept: torch.Tensor) -> Merge:
         target, similarity = nearest_kept(obs.keys, kept, obs.valid)

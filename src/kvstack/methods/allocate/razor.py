@@ -71,6 +71,11 @@ class Razor(Calibrated):
     echo: float = 0.01
     compensate: bool = True
 
+    @property
+    def roles(self) -> frozenset[str]:
+        """An allocator, and a folder while it keeps a compensation token."""
+        return super().roles | ({"folder"} if self.compensate else set())
+
     def __post_init__(self) -> None:
         super().__post_init__()
         for key in ("induction", "echo"):

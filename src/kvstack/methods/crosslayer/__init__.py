@@ -1,3 +1,1 @@
 """Cross-layer compression: adjacent layers' states stored once."""
-
-from kvstack.methods.crosslayer import minicache, xkv  # noqa: F401

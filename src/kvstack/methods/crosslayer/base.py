@@ -189,6 +189,7 @@ class CrossLayer(Stage):
     `join_group` joins one group's tokens in slots [lo, hi)."""
 
     family: ClassVar[str] = "crosslayer"
+    role: ClassVar[str] = "joiner"
 
     def groups(self, sliding: list[bool]) -> list[list[int]]:
         raise NotImplementedError
@@ -207,7 +208,7 @@ class CrossLayer(Stage):
             )
         last = layer.layer_idx == len(cache.layers) - 1
         if not decoding and cache.stack.whole_prompt and cache.stack.evictor is not None and not cache.budget.is_full:
-            if not last or cache.weights is None:  # the allocator has not compressed the prompt yet
+            if not last or cache.policy.shares.weights is None:  # the allocator has not compressed the prompt yet
                 return
         for group in self.groups([m.is_sliding for m in cache.layers]):
             if group[-1] != layer.layer_idx and not (last and group[-1] < layer.layer_idx):

@@ -9,6 +9,7 @@ not part of this scorer (a quantizer stage and `pyramid(conf_kv)` would play tho
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -76,6 +77,16 @@ class ConfKV(Method):
         if not decoding or confidence is None:
             return keep
         return confident_keep(keep, confidence, self.floor_share, self.min_tokens)
+
+    def step_done(self, cache: Any, logits: torch.Tensor) -> None:
+        cache.confidence = confidence(logits)
+
+
+def confidence(logits: torch.Tensor) -> torch.Tensor:
+    """(b,) 1 - normalised entropy of the next-token distribution for logits (b, vocab): 1 = certain."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    entropy = -(logp.exp() * logp).sum(-1)
+    return (1.0 - entropy / torch.log(torch.tensor(float(logits.shape[-1])))).clamp(0.0, 1.0)
 
 
 def composite_score(attention_sum: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor, lam: float) -> torch.Tensor:

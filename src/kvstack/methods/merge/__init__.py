@@ -1,4 +1,2 @@
 """Merging: tokens left out by a selection folded into kept ones (`base`); D2O's lives with its
 layer allocator (`methods/allocate/d2o.py`)."""
-
-from kvstack.methods.merge import chelsea, ems, subgen, zeromerge  # noqa: F401

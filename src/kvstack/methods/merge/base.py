@@ -47,7 +47,7 @@ class Merger:
     tokens left out go. `log_count`: whether merged entries carry their log-count into
     attention (a field of each merging stage, default from its paper)."""
 
-    merges: ClassVar[bool] = True
+    role: ClassVar[str] = "merger"
     log_count: bool
 
     def merge(self, obs: Observation, kept: torch.Tensor) -> Merge:

@@ -94,8 +94,9 @@ class EMS(Method, Merger):
             )
 
     @property
-    def merges(self) -> bool:  # type: ignore[override]
-        return self.coverage > 0
+    def roles(self) -> frozenset[str]:
+        """A merger only while coverage > 0; else it evicts what it leaves out."""
+        return super().roles if self.coverage > 0 else super().roles - {"merger"}
 
     @property
     def query_window(self) -> int:

@@ -77,8 +77,9 @@ class ZeroMerge(Method, Merger):
             raise ValueError(f"zeromerge: residual must be >= 0 (merge slots per head), got {self.residual}")
 
     @property
-    def merges(self) -> bool:  # type: ignore[override]
-        return self.residual > 0
+    def roles(self) -> frozenset[str]:
+        """A merger only while it has a residual (residual > 0); else it evicts what it leaves out."""
+        return super().roles if self.residual > 0 else super().roles - {"merger"}
 
     def score(self, obs: Observation) -> torch.Tensor:
         recent = recent_mask(obs, (obs.keep.float() * self.tail).floor().long().clamp(min=2))

@@ -26,6 +26,7 @@ class Quantizer(Stage):
     model's dtype, and optionally a calibration (`prepare`) and observed queries."""
 
     family: ClassVar[str] = "quantize"
+    role: ClassVar[str] = "storer"
     residual: int = field(default=128, kw_only=True)
 
     def __post_init__(self) -> None:

@@ -30,6 +30,7 @@ class MiKV(Rescorer, Quantizer):
 
     name = "mikv"
     family = "evict"
+    role = "demoter"
     paper = "#7"
     scorer: object = field(default_factory=lambda: default_scorer("h2o"))
     hi: int = 8

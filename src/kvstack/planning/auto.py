@@ -28,13 +28,15 @@ from typing import Any
 import torch
 
 from kvstack.cache.budget import Budget
+from kvstack.cache.layer import CompressedLayer
 from kvstack.errors import UserError
 from kvstack.methods.base import Method, Observation
+from kvstack.methods.quantize.base import Quantizer
 from kvstack.methods.registry import method_class, register
 from kvstack.planning import validate as validation
 from kvstack.planning.curves import FRACTIONS
-from kvstack.planning.options import Storage
-from kvstack.planning.plan import Plan
+from kvstack.planning.options import GROUP, Storage, codecs, cost
+from kvstack.planning.plan import Plan, keep_tokens
 from kvstack.planning.validate import Candidate, candidates, losses, nearest, ranking
 from kvstack.stack import Stack
 
@@ -51,6 +53,7 @@ class Auto(Method):
 
     name = "auto"
     family = "auto"
+    role = "planner"
     paper = "kvstack: rate-distortion allocation of one byte budget over its own stages"
     scorers: tuple[str, ...] = ("kvzip", "snapkv")
     bits: tuple[str, ...] = ("16", "8", "4", "4/2", "2", "2/1")
@@ -149,8 +152,8 @@ class Auto(Method):
             return None
         if not hasattr(model, "config"):
             raise UserError("auto measures the model's heads: build the KVCache from the model, not its config")
-        from kvstack.cache.cache import text_config
         from kvstack.calibrate.store import Ticker, calibrated
+        from kvstack.models.config import text_config
         from kvstack.planning.curves import measure
 
         config = text_config(model.config)
@@ -278,8 +281,8 @@ class Auto(Method):
         """What `decide` needs of a model (or its config) whose cache holds `itemsize`-byte values:
         heads, head_dim, full (a plain token's key and value bytes), slot, windows (per layer, None
         for full attention), reference (the length decisions are solved at), model, budget."""
-        from kvstack.cache.cache import text_config
         from kvstack.cache.layer import SLOT_DTYPE
+        from kvstack.models.config import text_config
 
         config = text_config(getattr(source, "config", source))
         n_layers, n_heads = config.num_hidden_layers, config.num_attention_heads
@@ -299,7 +302,7 @@ class Auto(Method):
     def plan_for(self, model: Any, budget: Budget, length: int) -> Plan:
         """The plan for a context of `length` tokens on `model`: what the cache decides and keeps
         at its first compression of such a context (sliding layers hold at most their window)."""
-        from kvstack.cache.cache import text_config
+        from kvstack.models.config import text_config
 
         limit = getattr(text_config(model.config), "max_position_embeddings", None)
         if limit and length > limit:
@@ -315,7 +318,89 @@ class Auto(Method):
         return self.decide(self.prepare(model), n, fraction, layout)
 
     def score(self, obs: Observation) -> torch.Tensor:
-        raise RuntimeError("auto scores through the cache's plan (KVCache.scores)")
+        raise RuntimeError("auto scores through the cache's plan (Planner.scorer)")
+
+    def prompt_done(self, runner: Any) -> None:
+        for method in self.methods.values():  # its scorers' passes (KVzip re-reads the prompt)
+            method.prompt_done(runner)
+
+    def step_done(self, cache: Any, logits: torch.Tensor) -> None:
+        for method in self.methods.values():
+            method.step_done(cache, logits)
+
+    def planner(self, source: Any) -> Planner:
+        """This stage's policy for one cache of `source` (a model, or its config with a plan file)."""
+        return Planner(self, source)
+
+
+class Planner:
+    """`auto` in one cache: measures the model once (`Auto.prepare`), decides the plan at the
+    first compression, then tells the cache's policy each head's tokens, storage and scorer."""
+
+    def __init__(self, stage: Auto, source: Any) -> None:
+        self.stage, self.source = stage, source
+        self.measured = stage.prepare(source)
+        self.plan: Plan | None = None  # decided at the first compression
+        self._shares: tuple[int, torch.Tensor] | None = None  # (seen, (b, L, h) byte shares) memo
+
+    def scorer(self, layer_idx: int) -> Method:
+        """The scorer the plan gives layer `layer_idx`."""
+        assert self.plan is not None
+        return self.stage.methods[self.plan.scorers[layer_idx]]
+
+    def keep(self, shares: Any, layer: CompressedLayer, room: torch.Tensor) -> torch.Tensor:
+        """(b, h) tokens each head of `layer` keeps under the plan (`shares`: the cache's
+        `kvstack.policy.shares.Shares`; room (b,) its evictable tokens): its byte share of its full
+        bytes (rescaled per sequence as it grows, so each sequence holds its budget), at its
+        storage; everything when the budget pays for the full cache."""
+        fractions = self.shares(shares, layer)[:, layer.layer_idx]  # (b, h)
+        assert self.plan is not None
+        full = layer.token_bytes(explicit_slots=False)
+        slot, d = layer.token_bytes() - full, layer.keys[0].shape[-1]
+        keep = room.unsqueeze(1).expand(-1, layer.n_kv_heads).clone()
+        for h in range(layer.n_kv_heads):
+            head_cost = cost(self.plan.storage(layer.layer_idx, h), d, full, slot)
+            for b in range(layer.batch):
+                if float(fractions[b].min()) < 1.0:
+                    keep[b, h] = keep_tokens(float(fractions[b, h]), int(room[b]), head_cost, self.stage.min_tokens)
+        return keep
+
+    def shares(self, shares: Any, layer: CompressedLayer) -> torch.Tensor:
+        """(b, L, h) each sequence's byte share per head now (all 1 when its budget pays for the
+        full cache); the plan is decided at the first call, at the longest sequence's budget
+        (memoised per step)."""
+        seen, budget = layer.seen, shares.budget
+        if self._shares is not None and self._shares[0] == seen:
+            return self._shares[1]
+        layers = shares.cache.layers
+        like = next(x for x in layers if x.is_initialized)
+        if budget.tokens is not None:
+            raise UserError(f"auto plans bytes: give a fraction (0.25) or a size (64MB), not {budget}")
+        rooms = torch.stack([shares.room(x, seen, like)[0] for x in layers]).cpu()  # (L, b)
+        full, heads = like.token_bytes(explicit_slots=False), like.n_kv_heads
+        fractions = [float(b.fraction or 1.0) for b in shares.budgets_at(seen, like)]
+        if self.plan is None:
+            layout = self.stage.layout(self.source, like.keys[0].element_size(), budget)
+            longest = int(rooms.sum(0).argmax())
+            self.plan = self.stage.decide(self.measured, rooms[:, longest], fractions[longest], layout)
+        per_sequence = [
+            self.plan.shares_now(n, f * float(n.sum()) * heads * full) if f < 1.0 else torch.ones(len(n), heads)
+            for n, f in zip(rooms.T, fractions, strict=True)
+        ]
+        self._shares = (seen, torch.stack([x.double() for x in per_sequence]))
+        return self._shares[1]
+
+    def encode(self, policy: Any, layer: CompressedLayer) -> None:
+        """The policy's `encode` under the plan: each head by its own storage and residual window."""
+        assert self.plan is not None
+        started = policy.clock.start(layer.keys[0].device)
+        for h in range(layer.n_kv_heads):
+            storage = self.plan.storage(layer.layer_idx, h)
+            pair = codecs(storage, layer.keys[h].shape[-1])
+            count = (layer.keys[h].shape[1] - storage.residual) // GROUP * GROUP
+            if pair is not None and count > 0:
+                layer.encode_oldest(h, count, Quantizer(), pair, None)
+        policy.clock.stop(started)
 
 
 @dataclass

@@ -1,0 +1,265 @@
+"""The policy of one cache: when to compress, which tokens to keep, how to store them.
+
+`KVCache` stores and attends; after each layer's attention it hands the layer to `maintain`,
+which trims a sliding window, asks the stack's stages for scores and budgets (`Shares`), turns
+them into a `Keep` (plain indices) and has the layer execute it, then encodes the oldest tokens
+as the quantizer says. The stages decide; this class only sequences them.
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kvstack.cache.budget import Budget
+from kvstack.cache.statistics import PROMPT_PASSES
+from kvstack.errors import UserError
+from kvstack.methods.base import Method, Observation, decode_block, recent_mask
+from kvstack.methods.merge.base import merge_states
+from kvstack.methods.select import select
+from kvstack.policy.shares import Shares
+from kvstack.stack import Stack
+
+if TYPE_CHECKING:
+    from kvstack.cache.layer import CompressedLayer
+
+
+class Policy:
+    """A stack under a budget, executed on one cache's layers (`cache`: a `KVCache`)."""
+
+    def __init__(self, cache: Any, stack: Stack, budget: Budget, source: Any, head_dim: int) -> None:
+        self.cache, self.stack, self.budget = cache, stack, budget
+        self.clock = cache.compress_clock
+        self.calibration: dict[str, torch.Tensor] = {}  # allocator kind -> table measured on the model
+        for allocator in stack.allocators:  # head allocators calibrate on the model once (kvstack.calibrate)
+            table = allocator.prepare(source)
+            if table is not None:
+                self.calibration[allocator.kind] = table
+        codecs = demote_codecs = None
+        quantizer = stack.quantizer
+        if quantizer is not None:
+            quantizer.check(head_dim)
+            table = quantizer.prepare(source)
+            device = getattr(source, "device", None)
+            codecs = quantizer.codecs(table.to(device) if table is not None and device is not None else table)
+            if stack.demotes:
+                demote_codecs = stack.evictor.demote_codecs()
+        self.shares = Shares(self, codecs, demote_codecs)
+        if quantizer is not None:
+            self.check_alone(quantizer, head_dim, source)
+        planner = stack.planner
+        if planner is not None:  # `auto` measures the model once and decides at the first compression
+            self.shares.planner = planner.planner(source)
+
+    def check_alone(self, quantizer: Any, head_dim: int, source: Any) -> None:
+        """One-line error when a stack that keeps every token (a quantizer without eviction, or
+        MiKV's low precision) cannot reach the budget."""
+        if self.budget.nbytes is not None and self.stack.evictor is None:
+            raise UserError(
+                f"{self.stack.label} evicts nothing, so it cannot hold a byte budget ({self.budget}): add an "
+                f"eviction stage (snapkv+{self.stack.label}) or give a fraction"
+            )
+        if self.budget.fraction is None or self.budget.is_full:
+            return
+        full = 2 * head_dim * getattr(source, "dtype", torch.bfloat16).itemsize
+        if self.shares.demote_codecs is not None:
+            least = (sum(c.token_bytes(head_dim) for c in self.shares.demote_codecs) + 4) / full  # + the slot
+            if least > self.budget.fraction:
+                raise UserError(
+                    f"{self.stack.label} keeps every token at {quantizer.lo} bits or more, about {least:.3f} of "
+                    f"the full bytes, so budget {self.budget} is out of reach: lower lo or raise the budget"
+                )
+            return
+        if self.stack.evictor is not None:
+            return
+        assert self.shares.codecs is not None
+        ratio = sum(c.token_bytes(head_dim) for c in self.shares.codecs) / full
+        if ratio > self.budget.fraction:
+            raise UserError(
+                f"{self.stack.label} stores about {ratio:.3f} of the full bytes and evicts nothing, so budget "
+                f"{self.budget} is out of reach: add an eviction stage (snapkv+{self.stack.label}) or use budget 1.0"
+            )
+
+    def maintain(self, layer: CompressedLayer, decoding: bool) -> None:
+        """Trim the sliding window, then evict down to the budget if a head exceeds it.
+
+        With a whole-prompt allocator, a prompt is compressed once it has reached the last layer:
+        the allocator weighs all layers, then every layer is compressed to its share. A method
+        that scores by re-reading the prompt (KVzip) waits for `compress_all` after that pass.
+        """
+        layer.trim_window()
+        self._maintain_alone(layer, decoding)
+        joiner = self.stack.joiner
+        if joiner is not None and not self.waiting:
+            started = self.clock.start(layer.keys[0].device)
+            joiner.join(self.cache, layer, decoding)
+            self.clock.stop(started)
+
+    def _maintain_alone(self, layer: CompressedLayer, decoding: bool) -> None:
+        """`maintain` for one layer on its own: evict to the budget, encode the oldest."""
+        method = self.stack.evictor
+        if method is None or self.budget.is_full:
+            self.encode(layer)
+            return
+        if self.waiting:
+            if decoding:
+                raise UserError(
+                    f"{self.stack.label} scores by re-reading the prompt, which kvstack's own loop runs: "
+                    "use kvstack.generate / `kvstack generate` (model.generate cannot run that pass)"
+                )
+            return
+        if self.stack.whole_prompt and not decoding:
+            last = layer.layer_idx == len(self.cache.layers) - 1
+            if last and not self.cache.pending_signals:  # else the hidden-state hooks call it (cache/hidden.py)
+                self.compress_all()
+            return
+        self._maintain(layer, decoding)
+
+    @property
+    def waiting(self) -> bool:
+        """True while a pass over the prompt that the stack (or `observe`) needs has not run yet
+        (`statistics.PROMPT_PASSES`: KVzip's reconstruction, run by its `prompt_done` hook)."""
+        passes = self.cache.needs & PROMPT_PASSES
+        if not passes or (self.stack.evictor is not None and self.budget.is_full):
+            return False
+        held = [layer for layer in self.cache.layers if layer.is_initialized]
+        return not all(name in layer.stats for name in passes for layer in held)
+
+    def compress_all(self) -> None:
+        """Compress every layer to its budget now (after the prompt, or after a re-reading pass)."""
+        if self.stack.evictor is None or self.budget.is_full or self.waiting:
+            return
+        if self.stack.whole_prompt:
+            started = self.clock.start(self.cache.layers[0].keys[0].device)
+            self.shares.reweigh()
+            self.clock.stop(started)
+        for layer in self.cache.layers:
+            if layer.is_initialized:
+                self._maintain(layer, decoding=False)
+
+    def _maintain(self, layer: CompressedLayer, decoding: bool) -> None:
+        method = self.stack.evictor
+        assert method is not None
+        if decoding and layer.seen <= layer.next_check:  # no head can exceed its share yet
+            self.encode(layer)
+            return
+        keep = method.limit(self.shares.keep_allowed(layer), decoding, self.cache.confidence)
+        counts = layer.counts(exclude_demoted=self.stack.demotes)
+        if any(a.splits for a in self.stack.allocators):  # heads share the layer's total: compare totals
+            over = counts.sum(-1) > keep.sum(-1)  # (b,)
+        else:
+            over = counts > keep  # (b, h); heads within budget keep everything (batch-invariant)
+        if bool(over.any()):
+            self.compress_layer(layer, keep, decoding)
+            counts = layer.counts(exclude_demoted=self.stack.demotes) if self.shares_only_grow else counts
+        if self.shares_only_grow:  # each step adds at most one token per head: skip the checks until then
+            layer.next_check = layer.seen + int((keep - counts).min())
+        self.encode(layer)
+
+    @cached_property
+    def shares_only_grow(self) -> bool:
+        """True when no head's share of the budget ever shrinks as tokens arrive: a fraction or a
+        token count split uniformly, by a method that takes the budget's keep as it is. Then a head
+        `s` tokens under its share cannot exceed it in the next `s` slots, and `_maintain` need not
+        look (each look builds the layer's dense view)."""
+        evictor = self.stack.evictor
+        return (
+            evictor is not None
+            and self.budget.nbytes is None
+            and self.shares.planner is None
+            and not self.stack.allocators
+            and not self.stack.demotes
+            and not self.stack.compensates
+            and all(type(m).limit is Method.limit for m in evictor.chain() if isinstance(m, Method))
+        )
+
+    def encode(self, layer: CompressedLayer) -> None:
+        """Encode each head's oldest tokens held in the model's dtype beyond the quantizer's residual
+        window, in whole groups (the quantizer's token group)."""
+        quantizer, group = self.stack.quantizer, self.shares.token_group
+        if self.shares.planner is not None and self.shares.planner.plan is not None and layer.is_initialized:
+            self.shares.planner.encode(self, layer)
+            return
+        if self.shares.codecs is None or not layer.is_initialized:
+            return
+        started = self.clock.start(layer.keys[0].device)
+        for h in range(layer.n_kv_heads):
+            extra = layer.keys[h].shape[1] - quantizer.residual
+            count = extra // group * group
+            if count > 0:
+                g = layer.groups
+                queries = layer.queries[:, h * g : (h + 1) * g] if layer.queries is not None else None
+                layer.encode_oldest(h, count, quantizer, self.shares.codecs, queries)
+        self.clock.stop(started)
+
+    def scores(self, obs: Observation) -> torch.Tensor:
+        """(b, h, t) the evictor's scores, +inf on exempt tokens (never evicted); under `auto`, the
+        scorer its plan gives the layer."""
+        method = self.stack.evictor
+        if self.shares.planner is not None and self.shares.planner.plan is not None:
+            method = self.shares.planner.scorer(obs.layer_idx)
+        assert method is not None
+        scores = method.score(obs)
+        if self.cache.seq.exempt:
+            scores = torch.where(self.cache.seq.is_exempt(obs.slots), torch.full_like(scores, float("inf")), scores)
+        return scores
+
+    def compress_layer(self, layer: CompressedLayer, keep: torch.Tensor, decoding: bool = False) -> None:
+        """Ask the stack's evictor for scores and keep about `keep[b, h]` tokens per head.
+
+        Allocators may re-split the layer's total among its heads from the scores. Exempt tokens
+        (a query-agnostic question) are never evicted; while decoding, neither are the evictor's
+        `decode_window` newest tokens. Heads within their share keep everything.
+        """
+        method = self.stack.evictor
+        assert method is not None
+        start = self.clock.start(layer.keys[0].device if layer.keys else None)
+        obs = Observation(layer, keep, self.cache.seq.token_index(), decoding, self.cache.confidence)
+        if self.stack.demotes:  # tokens already at low precision stay there, outside the selection
+            obs.valid = obs.valid & ~layer.dense_demoted()
+        scores = self.scores(obs)
+        protected = None
+        if decoding and self.stack.decode_window:
+            protected = recent_mask(obs, self.stack.decode_window)
+            scores = torch.where(protected, torch.full_like(scores, float("inf")), scores)
+        for allocator in self.stack.allocators:
+            keep = allocator.split(scores, obs.valid, keep)
+        keep = torch.maximum(keep, torch.clamp(obs.valid.sum(-1), max=self.stack.min_tokens))
+        counts = obs.valid.sum(-1)
+        over = counts > keep  # heads within their share keep everything (batch-invariant)
+        if decoding:  # evict a block ahead so the next steps fit (the budget holds at each of them)
+            block = decode_block(self.stack.every, keep)
+            keep = torch.maximum(keep - (block - 1), torch.clamp(counts, max=self.stack.min_tokens))
+        folding = self.stack.compensates
+        if folding:  # the compensation token is kept, and one place is left for a new one
+            token = layer.compensation_mask(obs.slots)
+            scores = torch.where(token, torch.full_like(scores, float("inf")), scores)
+            protected = token if protected is None else protected | token
+            keep = torch.where(over & ~token.any(-1), (keep - 1).clamp(min=1), keep)
+        keep = torch.where(over, keep, counts)
+        obs.keep = keep
+        decision = select(scores, obs.valid, obs.slots, keep, protected)
+        if folding or self.stack.merger is not None:
+            kept = torch.zeros_like(obs.valid)
+            real = torch.arange(decision.index.shape[-1], device=kept.device) < decision.count.unsqueeze(-1)
+            kept.scatter_(-1, decision.index, real)
+        if folding:
+            dropped = obs.valid & ~kept
+            dense_keys, dense_values, dense_slots = obs.keys, obs.values, obs.slots
+        if self.stack.merger is not None:
+            self.merge(layer, obs, kept)
+        layer.apply(decision, self.shares.demote_codecs)
+        if folding:
+            layer.fold(dropped, dense_keys, dense_values, dense_slots)
+        self.clock.stop(start)
+        self.cache.compressions += 1
+
+    def merge(self, layer: CompressedLayer, obs: Observation, kept: torch.Tensor) -> None:
+        """Fold the tokens a selection leaves out (not `kept`, (b, h, t)) into kept ones, as the
+        stack's merging stage decides; only entries held in the model's dtype are rewritten."""
+        merger = self.stack.merger
+        plan = merger.merge(obs, kept).into(obs.plain & kept)
+        keys, values, log_count, changed = merge_states(obs.keys, obs.values, obs.log_count, plan)
+        layer.rewrite(changed, keys, values, log_count if merger.log_count else None)
