@@ -175,7 +175,7 @@ def test_specs_parse_and_invalid_values_name_the_range():
         Stack.parse("minicache(t=2)")
     with pytest.raises(UserError, match=r"k must be in \(0, 1\]"):
         Stack.parse("xkv(k=0)")
-    with pytest.raises(UserError, match="group must be >= 1"):
+    with pytest.raises(UserError, match="group=0 is out of range: give an integer from 1"):
         Stack.parse("xkv(group=0)")
 
 

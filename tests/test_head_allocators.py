@@ -234,7 +234,7 @@ def test_parameters_are_checked():
     for spec, fix in [
         ("razor(induction=1.5)", "induction must be in"),
         ("headkv(beta=0.5)", "beta must be >= 1"),
-        ("cokv(samples=0)", "samples must be >= 1"),
+        ("cokv(samples=0)", "samples=0 is out of range: give an integer from 1"),
         ("cokv(border=0)", "border must be >= 1"),
     ]:
         with pytest.raises(UserError, match=fix):

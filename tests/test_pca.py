@@ -106,13 +106,13 @@ def test_a_projection_stacked_with_eviction_and_a_quantizer_holds_the_budget_and
         ("pca+squat", "cannot code pca's coefficients"),
         ("pca+cq", "cannot code pca's coefficients"),
         ("dar(fraction=2)", "fraction must be in (0, 1]"),
-        ("pca(residual=-1)", "residual must be >= 0"),
+        ("pca(residual=-1)", "residual=-1 is out of range: give an integer from 0"),
         ("rotatek(fraction=0)", "fraction must be in (0, 1]"),
         ("shadowkv(r=32, chunk=64)", "use 1..16"),
         ("shadowkv(r=8, chunk=4)", "chunk >= r"),
         ("rotatek+shadowkv", "two low-rank stages"),
         ("rotatek+squat", "cannot code rotatek's coefficients"),
-        ("shadowkv(residual=-1)", "residual must be >= 0"),
+        ("shadowkv(residual=-1)", "residual=-1 is out of range: give an integer from 0"),
     ],
 )
 def test_bad_low_rank_specs_are_one_line_errors(llama, spec, fix):

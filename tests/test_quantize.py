@@ -295,7 +295,7 @@ def test_the_issue_stacks_parse_and_print_back(spec):
         ("razor(snapkv)+kivi(group=8)", 0.25, "compensate=False"),
         ("mikv(snapkv, hi=16, group=8)", 0.5, "use one of 1, 2, 3, 4, 8"),
         ("squat(block=0, group=8)", 1.0, "block >= 1"),
-        ("cq(samples=0)", 1.0, "samples >= 1"),
+        ("cq(samples=0)", 1.0, "samples=0 is out of range: give an integer from 1"),
     ],
 )
 def test_bad_input_is_one_line_naming_the_fix(llama, spec, budget, fix):

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from kvstack.errors import UserError
@@ -38,7 +39,7 @@ TASK_NAMES = (
 
 
 def _fail(message: str) -> None:
-    err.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    err.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     raise typer.Exit(2)
 
 
@@ -311,6 +312,7 @@ def bench(
 def _sweep(sweep: Sweep, out_dir: Path, jobs: int) -> int:
     """Check everything that can be checked before loading, load the model, run the sweep."""
     from kvstack.bench.jobs import run_sweep, threads_per_job
+    from kvstack.bench.runner import plan
     from kvstack.bench.store import Store
 
     if sweep.rivals:
@@ -326,6 +328,8 @@ def _sweep(sweep: Sweep, out_dir: Path, jobs: int) -> int:
         lm = load(sweep.model)
     if lm.max_context and max(sweep.lengths) > lm.max_context:
         raise UserError(f"length {max(sweep.lengths)} exceeds {sweep.model}'s maximum of {lm.max_context} tokens")
+    if sweep.task_file is not None:
+        plan(lm, sweep)  # a context longer than the model is refused before a store exists
     store = Store(out_dir / "results.sqlite")
     try:
         return run_sweep(lm, sweep, store, err, jobs)
@@ -611,7 +615,12 @@ def _read_context(path: Path) -> str:
 
 
 def main() -> None:
-    app()
+    """The `kvstack` command; a user error that a command did not catch is still one line, exit 2."""
+    try:
+        app()
+    except UserError as e:
+        err.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

@@ -6,7 +6,12 @@ import difflib
 
 
 class UserError(Exception):
-    """A mistake in the user's input (name, budget, file): the message says how to fix it."""
+    """A mistake in the user's input (name, budget, file): the message says how to fix it.
+
+    Always one line: line breaks in what the user typed (and the message quotes) are shown escaped."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(str(message).replace("\r", "\\r").replace("\n", "\\n"))
 
 
 def unknown_name(kind: str, name: str, valid: list[str]) -> UserError:

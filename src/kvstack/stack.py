@@ -9,13 +9,15 @@ exist). Parsing is pure: text -> dataclasses.
 from __future__ import annotations
 
 import ast
+import math
+import re
 from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
 from kvstack.cache.budget import Budget
 from kvstack.errors import UserError, unknown_name
 from kvstack.methods.allocate.base import Allocator
-from kvstack.methods.base import SELECTION, Method, Stage
+from kvstack.methods.base import RANGES, SELECTION, Method, Stage
 from kvstack.methods.lowrank.base import Projected, can_follow_projection
 from kvstack.methods.registry import method_class
 
@@ -32,8 +34,15 @@ class Stack:
         text = spec.strip()
         if not text:
             raise UserError("empty method spec: give a method name such as snapkv (see `kvstack methods`)")
-        if text.startswith("plan:"):  # a plan saved by `kvstack plan --save`
-            return cls((_parse_stage(f"auto(plan={text[5:]!r})"),))
+        if len(text) > MAX_SPEC:
+            raise UserError(f"method spec of {len(text)} characters: write one of at most {MAX_SPEC}")
+        if text.startswith("plan:"):  # a plan saved by `kvstack plan --save`, its path maybe quoted
+            path = text[5:].strip()
+            if path[:1] in ("'", '"'):
+                path = _value("plan", "path", path)  # type: ignore[assignment]
+            if not isinstance(path, str) or not path.strip():
+                raise UserError("plan: needs a path: plan:p.json (a plan written by `kvstack plan --save`)")
+            return cls((_parse_stage(f"auto(plan={path!r})"),))
         stages = tuple(_parse_stage(part) for part in _split_top(text, "+"))
         if len(stages) > 1 and any(s.plays("planner") for s in stages):
             raise UserError(f"'{spec}': auto chooses the whole stack (scorers, tokens, bits): use it alone")
@@ -66,10 +75,10 @@ class Stack:
         stack = cls(stages)
         if stack.merger is not None and stack.compensates:
             raise UserError(f"'{spec}': razor's compensation token and merging both fold evicted tokens: keep one")
-        if storing and stack.compensates:
+        if (storing or joiners) and stack.compensates:
             raise UserError(
                 f"'{spec}': razor's compensation token cannot average encoded tokens: "
-                "use razor(..., compensate=False) with a quantizer"
+                f"use razor(..., compensate=False) with a {'quantizer' if storing else 'cross-layer stage'}"
             )
         return stack
 
@@ -195,24 +204,45 @@ class Stack:
         return "+".join(_format_stage(s, changed_only=True) for s in self.stages)
 
 
+MAX_SPEC = 2000  # characters in one method spec
+MAX_DEPTH = 8  # stages wrapping stages: pyramid(adakv(snapkv)) is 3
+OPENING = {"(": ")", "[": "]", "{": "}"}
+BARE = re.compile(r"[A-Za-z_][A-Za-z0-9_.:/-]*")  # a value written without quotes: kvzip, p.json
+MAX_INT = 2**31 - 1  # no count or cadence of a stage comes near it
+
+
 def _split_top(text: str, sep: str) -> list[str]:
-    """Split on `sep` outside parentheses."""
-    parts, depth, cur = [], 0, ""
+    """Split on `sep` outside brackets and quoted strings; one-line error when they do not close."""
+    parts: list[str] = []
+    cur: list[str] = []
+    closing: list[str] = []
+    quote, escaped = "", False
     for ch in text:
-        depth += ch == "("
-        depth -= ch == ")"
-        if ch == sep and depth == 0:
-            parts.append(cur)
-            cur = ""
-        else:
-            cur += ch
-    if depth != 0:
+        if quote:
+            escaped, quote = (not escaped and ch == "\\"), ("" if ch == quote and not escaped else quote)
+        elif ch in "'\"":
+            quote = ch
+        elif ch in OPENING:
+            closing.append(OPENING[ch])
+        elif ch in ")]}":
+            if not closing or closing.pop() != ch:
+                raise UserError(f"unbalanced '{ch}' in method spec '{text}'")
+        elif ch == sep and not closing:
+            parts.append("".join(cur))
+            cur = []
+            continue
+        cur.append(ch)
+    if quote:
+        raise UserError(f"unclosed quote {quote} in method spec '{text}'")
+    if closing:
         raise UserError(f"unbalanced parentheses in method spec '{text}'")
-    return [*parts, cur]
+    return [*parts, "".join(cur)]
 
 
-def _parse_stage(text: str) -> Stage:
+def _parse_stage(text: str, depth: int = 1) -> Stage:
     text = text.strip()
+    if depth > MAX_DEPTH:
+        raise UserError(f"method spec nests stages more than {MAX_DEPTH} deep: wrap at most {MAX_DEPTH} stages")
     name, _, rest = text.partition("(")
     name = name.strip().lower()
     if not name:
@@ -220,31 +250,84 @@ def _parse_stage(text: str) -> Stage:
     cls = method_class(name)
     kwargs: dict[str, object] = {}
     if rest:
-        if not rest.endswith(")"):
+        if not rest.rstrip().endswith(")"):
             raise UserError(f"stage '{text}' must end with ')'")
-        body = rest[:-1].strip()
-        valid = [f.name for f in fields(cls)]
-        for i, item in enumerate(_split_top(body, ",") if body else []):
+        body = rest.rstrip()[:-1].strip()
+        declared = {f.name: f for f in fields(cls)}
+        items = _split_top(body, ",") if body else []
+        if items and not items[-1].strip():  # a trailing comma, as Python allows
+            items.pop()
+        for i, item in enumerate(items):
             key, eq, raw = item.partition("=")
             key = key.strip()
             if not eq or "(" in key:
-                if i == 0 and "scorer" in valid:  # the wrapped stage: pyramid(snapkv)
-                    kwargs["scorer"] = _parse_stage(item)
+                if i == 0 and "scorer" in declared:  # the wrapped stage: pyramid(snapkv)
+                    kwargs["scorer"] = _parse_stage(item, depth + 1)
                     continue
                 raise UserError(f"{name}: parameters are written key=value, got '{item.strip()}'")
-            if key == "scorer":
-                kwargs["scorer"] = _parse_stage(raw)
+            if key == "scorer" and "scorer" in declared:
+                kwargs["scorer"] = _parse_stage(raw, depth + 1)
                 continue
-            if key not in valid:
-                raise unknown_name(f"parameter of {name}", key, valid)
-            try:
-                kwargs[key] = ast.literal_eval(raw.strip())
-            except (ValueError, SyntaxError):
-                kwargs[key] = raw.strip()
+            if key not in declared:
+                raise unknown_name(f"parameter of {name}", key, list(declared))
+            if key in kwargs:
+                raise UserError(f"{name}: {key} is given twice")
+            kwargs[key] = typed(name, key, str(declared[key].type), _value(name, key, raw.strip()))
     try:
         return cls(**kwargs)  # type: ignore[arg-type]
     except (ValueError, TypeError) as err:
         raise UserError(str(err)) from None
+
+
+def _value(stage: str, key: str, raw: str) -> object:
+    """A parameter's value: a Python literal (number, 'string', True, (tuple)) or a bare word."""
+    try:
+        return ast.literal_eval(raw)
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        if BARE.fullmatch(raw):
+            return raw
+        raise UserError(
+            f"{stage}: cannot read {key}={raw[:40]}: write a number, True/False, a 'string' or a (tuple)"
+        ) from None
+
+
+def typed(stage: str, key: str, kind: str, value: object) -> object:
+    """`value` checked against the field's declared type (`int`, `float`, `bool`, `str`, `int | None`,
+    `tuple[str, ...]`, `tuple[int, ...]`); one-line error naming the parameter, the value and what
+    it takes. An int is a float; a lone string is a one-element tuple of strings."""
+    shown = repr(value) if not isinstance(value, str) else f"'{value[:40]}'"
+    optional = kind.endswith(" | None")
+    base = kind.removesuffix(" | None")
+    if value is None and optional:
+        return None
+    if base == "int":
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise UserError(f"{stage}: {key} must be an integer{' or None' if optional else ''}, got {shown}")
+        low, high = RANGES.get(key, (-MAX_INT, MAX_INT))
+        if not low <= value <= high:
+            raise UserError(f"{stage}: {key}={value} is out of range: give an integer from {low} to {high}")
+        return value
+    if base == "float":
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise UserError(f"{stage}: {key} must be a number, got {shown}")
+        if not math.isfinite(value):
+            raise UserError(f"{stage}: {key} must be a finite number, got {shown}")
+        return value  # an int stays an int, so the label prints what was written
+    if base == "bool":
+        if not isinstance(value, bool):
+            raise UserError(f"{stage}: {key} must be True or False, got {shown}")
+        return value
+    if base == "str":
+        if not isinstance(value, str):
+            raise UserError(f"{stage}: {key} must be a string, e.g. {key}='...', got {shown}")
+        return value
+    if base.startswith("tuple["):
+        item = base.removeprefix("tuple[").split(",")[0]
+        values = (value,) if isinstance(value, str) and item == "str" else value
+        if not isinstance(values, tuple | list):
+            raise UserError(f"{stage}: {key} must be a tuple, e.g. {key}=(...), got {shown}")
+        return tuple(typed(stage, key, item, v) for v in values)
+    return value
 
 
 def _format_stage(stage: Stage, changed_only: bool = False) -> str:

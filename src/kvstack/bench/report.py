@@ -52,7 +52,7 @@ def aggregate(rows: Iterable[dict[str, Any]]) -> dict[Group, list[Point]]:
                 budget,
                 task,
                 score=statistics.fmean(r["score"] for r in rs),
-                kv_ratio=statistics.fmean(r["kv_ratio"] for r in rs),
+                kv_ratio=_mean(r["kv_ratio"] for r in rs),
                 n=len(rs),
                 prefill_s=_median(r["prefill_s"] for r in rs),
                 compress_s=_median(r["compress_s"] for r in rs),
@@ -102,13 +102,17 @@ def plot_group(group: Group, points: list[Point], path: Path) -> None:
             if p.task == task and p.method == "full":
                 ax.axhline(p.score, color="black", linestyle="--", linewidth=1, label="full cache")
         for method in methods:
-            line = sorted((p.kv_ratio, p.score) for p in points if p.task == task and p.method == method)
+            line = sorted(
+                (p.kv_ratio, p.score)
+                for p in points
+                if p.task == task and p.method == method and math.isfinite(p.kv_ratio)  # unmeasured: no place
+            )
             if line:
                 ax.plot(*zip(*line, strict=True), label=method, **styles[method])
         ax.set_title(task)
         ax.set_xlabel("KV bytes held / full (measured)")
         ax.set_xscale("log", base=2)
-        lo = min(p.kv_ratio for p in points) / 1.4
+        lo = min((p.kv_ratio for p in points if p.kv_ratio > 0), default=1.0) / 1.4  # NaN compares False
         ax.set_xticks([2.0**-k for k in range(12) if 2.0**-k >= lo])
         ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}"))
         ax.set_xlim(lo, 1.15)

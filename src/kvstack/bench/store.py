@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import sqlite3
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
+
+from kvstack.cache.budget import Budget
+from kvstack.errors import UserError
 
 CELL = ("model", "method", "budget", "mode", "task", "length")
 SCHEMA = """
@@ -129,27 +133,92 @@ def astuple_cell(cell: Cell) -> tuple[Any, ...]:
     return tuple(getattr(cell, k) for k in CELL)
 
 
-def read_rows(out_dir: Path) -> list[dict[str, Any]]:
-    """Every row of a benchmark folder's store, or a one-line error saying how to get them."""
-    from kvstack.errors import UserError
+def read_rows(out_dir: Path, console: Any = None) -> list[dict[str, Any]]:
+    """Every valid row of a benchmark folder's store, or a one-line error saying how to get them.
+    A row a reader cannot use (a NULL score, refs that are not JSON) is skipped with one line on
+    stderr naming the row and the column; the others are read."""
+    from rich.console import Console
 
     path = out_dir / "results.sqlite"
     if not path.exists():
         raise UserError(f"no results in {out_dir}: run `kvstack bench --out {out_dir}` first")
     db = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, timeout=60)  # a reader never writes
+    problems: list[str] = []
     try:
-        return list(stored_rows(db))
+        rows = list(stored_rows(db, problems))
     except sqlite3.DatabaseError as err:
         raise UserError(f"{path} is not a kvstack results store ({err}): give a folder `kvstack bench` wrote") from None
+    except MissingColumns as err:
+        raise UserError(f"{path} has no column {err}: give a folder `kvstack bench` wrote") from None
     finally:
         db.close()
+    console = console or Console(stderr=True)
+    for problem in problems[:5]:
+        console.print(f"[yellow]{path}: skipped {problem}[/]", highlight=False)
+    if len(problems) > 5:
+        console.print(f"[yellow]{path}: skipped {len(problems) - 5} more rows like these[/]", highlight=False)
+    return rows
 
 
-def stored_rows(db: sqlite3.Connection) -> Iterator[dict[str, Any]]:
-    """Every row of a results table as a dict (refs decoded; `machine` absent from older stores)."""
-    cur = db.execute("SELECT * FROM results ORDER BY model, task, length, mode, method, budget, sample")
+class MissingColumns(Exception):
+    """A results table without a column every reader needs (its message: the columns)."""
+
+
+REQUIRED = {**dict.fromkeys(CELL[:-1], str), "length": int, "sample": int, "question": int, "score": float}
+NUMBERS = ("partial", "kl", "ppl", "kv_bytes", "kv_bytes_full", "kv_ratio", "prefill_s", "compress_s")
+OPTIONAL = (*NUMBERS, "decode_tokens_per_s", "peak_rss_mb", "created")  # `machine` stays absent when it is
+
+
+def stored_rows(db: sqlite3.Connection, problems: list[str] | None = None) -> Iterator[dict[str, Any]]:
+    """Every row of a results table as a dict (refs decoded; `machine` absent from older stores).
+    A row with a value of the wrong kind is left out and described in `problems` (when given)."""
+    cur = db.execute(
+        "SELECT rowid AS _rowid, * FROM results ORDER BY model, task, length, mode, method, budget, sample"
+    )
     names = [d[0] for d in cur.description]
+    missing = [c for c in (*REQUIRED, "answer", "refs") if c not in names]
+    if missing:
+        raise MissingColumns(", ".join(missing))
+    absent = [c for c in OPTIONAL if c not in names]  # older or hand-made stores lack measurements
     for values in cur:
-        row = dict(zip(names, values, strict=True))
+        row = dict(zip(names, values, strict=True)) | dict.fromkeys(absent)
+        why = _invalid(row)
+        if why:
+            if problems is not None:
+                problems.append(f"row {row['_rowid']}: {why}")
+            continue
+        del row["_rowid"]
         row["refs"] = json.loads(row["refs"])
         yield row
+
+
+def _invalid(row: dict[str, Any]) -> str | None:
+    """Why a stored row cannot be read (which column, what is there), or None."""
+    for column, kind in REQUIRED.items():
+        value = row[column]
+        if kind is str and not isinstance(value, str):
+            return f"{column} is {value!r}, not text"
+        if kind is int and (not isinstance(value, int) or isinstance(value, bool)):
+            return f"{column} is {value!r}, not an integer"
+        if kind is float and not _finite(value):
+            return f"{column} is {value!r}, not a number"
+    for column in NUMBERS:
+        if row.get(column) is not None and not _finite(row[column]):
+            return f"{column} is {row[column]!r}, not a number"
+    if not isinstance(row["answer"], str):
+        return f"answer is {row['answer']!r}, not text"
+    try:
+        Budget.parse(row["budget"])
+    except UserError:
+        return f"budget is {row['budget'][:40]!r}, not a budget"
+    try:
+        refs = json.loads(row["refs"]) if isinstance(row["refs"], str) else None
+    except ValueError:
+        refs = None
+    if not isinstance(refs, list) or not all(isinstance(r, str) for r in refs):
+        return f"refs is {str(row['refs'])[:40]!r}, not a JSON list of strings"
+    return None
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)

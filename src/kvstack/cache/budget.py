@@ -2,7 +2,7 @@
 
 `0.25` is a fraction of the full cache's bytes (it follows the sequence as it grows, so the
 ratio holds at every step); `512t` is a fixed number of tokens per KV head; `64MB` (also `512KB`,
-`1.5GB`, `123456B`; powers of 1024) is an absolute number of bytes per sequence, turned into
+`1.5GB`, `2TB`, `123456B`; powers of 1024) is an absolute number of bytes per sequence, turned into
 a fraction of that sequence's context by the cache at every step (`Budget.resolve`).
 """
 
@@ -16,6 +16,11 @@ import torch
 
 from kvstack.errors import UserError
 
+MIN_FRACTION = 1e-4  # a smaller fraction keeps nothing of any context a model here reads
+MAX_TOKENS = 2**31 - 1
+MAX_BYTES = 2**50  # 1024TB
+UNITS = " kmgt"  # B, KB, MB, GB, TB: powers of 1024
+
 
 @dataclass(frozen=True)
 class Budget:
@@ -28,12 +33,15 @@ class Budget:
     def __post_init__(self) -> None:
         if sum(x is not None for x in (self.fraction, self.tokens, self.nbytes)) != 1:
             raise UserError("a budget is either a fraction like 0.25, a token count like 512t or bytes like 64MB")
-        if self.nbytes is not None and self.nbytes < 1:
-            raise UserError(f"budget {self.nbytes} bytes is out of range: give a positive size like 64MB")
-        if self.fraction is not None and not (0.0 < self.fraction <= 1.0):
-            raise UserError(f"budget {self.fraction} is out of range: a fraction must be in (0, 1]")
-        if self.tokens is not None and self.tokens < 1:
-            raise UserError(f"budget {self.tokens}t is out of range: keep at least 1 token per head")
+        if self.nbytes is not None and not 1 <= self.nbytes <= MAX_BYTES:
+            raise UserError(f"budget {self.nbytes} bytes is out of range: give a size from 1B to 1024TB, like 64MB")
+        if self.fraction is not None and not (MIN_FRACTION <= self.fraction <= 1.0):
+            raise UserError(
+                f"budget {self.fraction:g} is out of range: a fraction must be in [{MIN_FRACTION:g}, 1] "
+                "(or give tokens per head like 64t)"
+            )
+        if self.tokens is not None and not 1 <= self.tokens <= MAX_TOKENS:
+            raise UserError(f"budget {self.tokens}t is out of range: keep 1 to {MAX_TOKENS} tokens per head")
 
     @classmethod
     def parse(cls, text: str | float | int | Budget) -> Budget:
@@ -41,23 +49,29 @@ class Budget:
         if isinstance(text, Budget):
             return text
         raw = str(text).strip().lower()
-        size = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*([kmg]?)i?b", raw)
+        shown = raw if len(raw) <= 40 else f"{raw[:37]}..."
+        size = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*([kmgt]?)i?b", raw)
         if size:
-            return cls(nbytes=int(float(size.group(1)) * 1024 ** " kmg".index(size.group(2) or " ")))
+            value = float(size.group(1)) * 1024 ** UNITS.index(size.group(2) or " ")
+            if not math.isfinite(value) or value > MAX_BYTES:
+                raise UserError(f"budget '{shown}' is out of range: give a size up to 1024TB, like 64MB")
+            return cls(nbytes=int(value))
         if raw.endswith("t"):
-            try:
-                return cls(tokens=int(raw[:-1]))
-            except ValueError:
-                raise UserError(f"budget '{text}' is not a token count: write e.g. 512t") from None
+            digits = raw[:-1].strip()
+            if not digits.isdigit():
+                raise UserError(f"budget '{shown}' is not a token count: write e.g. 512t")
+            if len(digits) > 12:
+                raise UserError(f"budget '{shown}' is out of range: keep 1 to {MAX_TOKENS} tokens per head")
+            return cls(tokens=int(digits))
         try:
             value = float(raw)
         except ValueError:
             raise UserError(
-                f"budget '{text}' is not understood: write a fraction in (0, 1] like 0.25, "
+                f"budget '{shown}' is not understood: write a fraction in (0, 1] like 0.25, "
                 "a token count per head like 512t or a size like 64MB"
             ) from None
-        if math.isnan(value):
-            raise UserError("budget NaN is out of range: a fraction must be in (0, 1]")
+        if not math.isfinite(value):
+            raise UserError(f"budget '{shown}' is out of range: a fraction must be in [{MIN_FRACTION:g}, 1]")
         return cls(fraction=value)
 
     @property
@@ -74,15 +88,22 @@ class Budget:
     def __str__(self) -> str:
         if self.nbytes is not None:
             return size_text(self.nbytes, exact=True)
-        return f"{self.tokens}t" if self.tokens is not None else f"{self.fraction:g}"
+        return f"{self.tokens}t" if self.tokens is not None else _number(self.fraction)
+
+
+def _number(value: float) -> str:
+    """The shortest text that reads back to exactly `value` (`0.25`, `1`, `0.9999999`): budgets are
+    store keys, so two budgets never share a label."""
+    text = repr(float(value))
+    return text[:-2] if text.endswith(".0") else text
 
 
 def size_text(nbytes: float, exact: bool = False) -> str:
     """`64MB`, `512KB`, `1.5GB` (powers of 1024, 4 significant digits); with `exact`, a text
     `Budget.parse` reads back to the same byte count (`1234567B` when no unit divides it)."""
-    for unit, scale in (("GB", 1024**3), ("MB", 1024**2), ("KB", 1024)):
+    for unit, scale in (("TB", 1024**4), ("GB", 1024**3), ("MB", 1024**2), ("KB", 1024)):
         if nbytes >= scale and (not exact or (nbytes * 4) % scale == 0):
-            return f"{nbytes / scale:.4g}{unit}" if not exact else f"{nbytes / scale:g}{unit}"
+            return f"{nbytes / scale:.4g}{unit}" if not exact else f"{_number(nbytes / scale)}{unit}"
     return f"{int(nbytes)}B" if exact else f"{nbytes / 1024:.4g}KB"
 
 

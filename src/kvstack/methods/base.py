@@ -26,6 +26,22 @@ SELECTION = ("evict", "reference", "allocate", "merge", "auto")  # families of s
 # folder (averages them into one compensation token), joiner (shares state across layers),
 # planner (decides the whole stack per head from one byte budget)
 ROLES = ("scorer", "allocator", "storer", "merger", "demoter", "folder", "joiner", "planner")
+# ranges of the integer parameters many stages share, checked when a spec is parsed (`Stack.parse`);
+# a stage checks its own parameters, and tighter ranges, in its __post_init__
+RANGES = {
+    "samples": (1, 256),  # calibration rows (cokv: coalitions per size)
+    "tokens": (2, 65536),  # tokens per calibration row
+    "residual": (0, 65536),  # newest tokens kept at full precision
+    "group": (1, 4096),
+    "every": (1, 65536),
+    "decode_window": (0, 65536),
+    "window_size": (1, 65536),
+    "window": (0, 65536),
+    "chunk_size": (1, 65536),
+    "chunk": (1, 65536),
+    "page": (1, 65536),
+    "sinks": (0, 65536),
+}
 
 
 class Observation:

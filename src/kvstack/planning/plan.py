@@ -72,10 +72,21 @@ class Plan:
     def load(cls, path: str | Path) -> Plan:
         """A saved plan, or a one-line error naming the fix."""
         file = Path(path)
-        if not file.exists():
-            raise UserError(f"plan file {path} does not exist: write one with `kvstack plan --model M --save {path}`")
+        shown = str(path) if len(str(path)) <= 80 else f"{str(path)[:77]}..."
         try:
-            return cls(**json.loads(file.read_text()))
+            text = file.read_text()
+        except FileNotFoundError:
+            raise UserError(
+                f"plan file {shown} does not exist: write one with `kvstack plan --model M --save {shown}`"
+            ) from None
+        except IsADirectoryError:
+            raise UserError(f"plan {shown} is a directory: give a plan file written by `kvstack plan --save`") from None
+        except (OSError, UnicodeDecodeError) as err:
+            raise UserError(
+                f"cannot read plan file {shown} ({type(err).__name__}): give one written by `kvstack plan --save`"
+            ) from None
+        try:
+            return cls(**json.loads(text))
         except (ValueError, TypeError) as err:
             raise UserError(f"{path} is not a kvstack plan ({err}): write one with `kvstack plan --save`") from None
 

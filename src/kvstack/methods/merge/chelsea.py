@@ -29,7 +29,7 @@ def soft_matching(
     token was merged away (0 for survivors).
     """
     b, h, t, d = keys.shape
-    c, dev = chunk_size, keys.device
+    c, dev = max(2, min(chunk_size, t + t % 2)), keys.device  # a chunk longer than the head is the head
     n_chunks = (t + c - 1) // c
     # one extra place, t, stands for "nobody": empty chunk places point there, merges never do
     dense = torch.arange(t + 1, device=dev).expand(b, h, t + 1)

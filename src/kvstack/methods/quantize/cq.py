@@ -87,6 +87,8 @@ class Cq(Quantizer):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.channels < 0:
+            raise ValueError(f"cq: channels must be >= 1 (coupled per code), or 0 for 8 // bits, got {self.channels}")
         if self.channels == 0:
             self.channels = max(1, 8 // self.bits)
         if self.samples < 1 or self.tokens < 2:

@@ -74,6 +74,8 @@ class Qaq(Quantizer):
         super().__post_init__()
         if not (1 <= self.n_min <= self.n_max <= 8):
             raise ValueError(f"qaq: need 1 <= n_min <= n_max <= 8, got n_min={self.n_min}, n_max={self.n_max}")
+        if min(self.t_k, self.t_v, self.q_max) <= 0 or not 0 <= self.outliers < 1:
+            raise ValueError("qaq: t_k, t_v and q_max must be > 0 and outliers in [0, 1)")
 
     @property
     def query_window(self) -> int:
