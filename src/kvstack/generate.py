@@ -88,7 +88,7 @@ class Runner:
         self.hooks += [provider(name) for name in sorted(cache.needs & PROMPT_PASSES - provided)]
         self.mask: torch.Tensor | None = None
         self.last_logits: torch.Tensor | None = None
-        self.rows: list[list[int]] = []  # each sequence's real tokens so far (KVzip re-reads them)
+        self.rows: list[list[int]] = []  # each sequence's real tokens so far, kept when a prompt pass re-reads them
 
     def fork(self, stack: Stack | str, budget: Budget | str | float) -> Runner:
         """A runner over a compressed copy of this runner's cache, at the same point of the sequence."""
@@ -134,9 +134,10 @@ class Runner:
             cache_position=torch.arange(start, self.mask.shape[1], device=device),
         )
         self.last_logits = out.logits[:, -1].float()
-        self.rows = self.rows or [[] for _ in range(len(ids))]
-        for row, chunk, real in zip(self.rows, ids.tolist(), chunk_mask.bool().tolist(), strict=True):
-            row.extend(token for token, keep in zip(chunk, real, strict=True) if keep)
+        if self.cache.needs & PROMPT_PASSES:  # only a pass over the prompt re-reads the tokens: not per step else
+            self.rows = self.rows or [[] for _ in range(len(ids))]
+            for row, chunk, real in zip(self.rows, ids.tolist(), chunk_mask.bool().tolist(), strict=True):
+                row.extend(token for token, keep in zip(chunk, real, strict=True) if keep)
         for stage in self.hooks:
             if ids.shape[1] > 1:
                 stage.prompt_done(self)
