@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from kvstack.cache.layer import CompressedLayer, SequenceState
+from kvstack.cache.layer import CompressedLayer
+from kvstack.cache.sequence import SequenceState
 from kvstack.generate import Prompt, generate_ids
 from kvstack.methods.base import Observation
 

@@ -8,7 +8,8 @@ import torch
 
 from helpers import ids_of
 from kvstack.cache.cache import KVCache
-from kvstack.cache.layer import CompressedLayer, SequenceState, storage_bytes
+from kvstack.cache.layer import CompressedLayer, storage_bytes
+from kvstack.cache.sequence import SequenceState
 from kvstack.errors import UserError
 from kvstack.generate import Runner
 from kvstack.methods.crosslayer.base import JOINED, layer_groups

@@ -30,7 +30,7 @@ def test_few_queries_is_softmax_attention(masked, biased):
         mask[..., 0] = True  # every query sees one key at least
     bias = torch.rand(2, 5, generator=g) if biased else None
     one_head = None if bias is None else bias.unsqueeze(1)
-    got = few_queries(query, keys.unsqueeze(1), values.unsqueeze(1), mask, one_head, 0.35)
+    got = few_queries(query, [keys.unsqueeze(1)], [values.unsqueeze(1)], mask, one_head, 0.35)
     torch.testing.assert_close(got.double(), reference_attention(query, keys, values, mask, bias, 0.35))
 
 
@@ -39,11 +39,24 @@ def test_few_queries_over_heads_is_each_head_alone():
     query, keys, values = (torch.randn(*s, generator=g) for s in ((2, 6, 3, 8), (2, 3, 5, 8), (2, 3, 5, 8)))
     mask = torch.rand(2, 3, 3, 5, generator=g) > 0.3
     mask[..., -1] = True
-    together = few_queries(query, keys, values, mask, None, 0.5)
+    together = few_queries(query, [keys], [values], mask, None, 0.5)
     for h in range(3):
         group = slice(2 * h, 2 * h + 2)  # the query heads of KV head h
         alone = reference_attention(query[:, group], keys[:, h], values[:, h], mask[:, h : h + 1], None, 0.5)
         torch.testing.assert_close(together[:, group].double(), alone, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("cuts", [(1,), (2, 4), (3, 4, 5)])
+def test_few_queries_over_parts_is_over_their_join(cuts):
+    # a layer's decoded codes and its newest tokens are parts along t: one softmax over all of them
+    g = torch.Generator().manual_seed(5)
+    query, keys, values = (torch.randn(*s, generator=g) for s in ((2, 6, 1, 8), (2, 3, 7, 8), (2, 3, 7, 8)))
+    mask = torch.rand(2, 3, 1, 7, generator=g) > 0.3
+    mask[..., -1] = True
+    edges = [0, *cuts, 7]
+    parts = [slice(a, b) for a, b in zip(edges, edges[1:], strict=False)]
+    split = few_queries(query, [keys[:, :, p] for p in parts], [values[:, :, p] for p in parts], mask, None, 0.5)
+    torch.testing.assert_close(split, few_queries(query, [keys], [values], mask, None, 0.5), atol=1e-6, rtol=1e-5)
 
 
 def test_few_queries_by_hand():
@@ -53,7 +66,12 @@ def test_few_queries_by_hand():
     values = torch.tensor([[[2.0, 0.0], [0.0, 4.0]]])
     e = torch.e
     expected = torch.tensor([[[[2 * e / (e + 1), 4 / (e + 1)]]]])
-    torch.testing.assert_close(few_queries(query, keys.unsqueeze(1), values.unsqueeze(1), None, None, 1.0), expected)
+    got = few_queries(query, [keys.unsqueeze(1)], [values.unsqueeze(1)], None, None, 1.0)
+    torch.testing.assert_close(got, expected)
+    split = few_queries(
+        query, [keys[:, :1, None], keys[:, 1:, None]], [values[:, :1, None], values[:, 1:, None]], None, None, 1.0
+    )
+    torch.testing.assert_close(split, expected)  # the same keys in two parts: one softmax over both
 
 
 def test_a_decoding_block_is_a_sixteenth_of_the_share_between_1_and_32():
@@ -148,7 +166,7 @@ def test_heads_alike_decode_in_one_call_as_each_head_alone(llama, spec):
         both = layer.layer_kv()
         if both is None:
             continue
-        keys, values = both
+        keys, values = (torch.cat([p.float() for p in parts], dim=2) for parts in both)
         for h in range(layer.n_kv_heads):  # the same numbers (float32 here, the model's dtype there)
             assert torch.equal(keys[:, h].to(layer.head_keys(h).dtype), layer.head_keys(h))
             assert torch.equal(values[:, h].to(layer.head_values(h).dtype), layer.head_values(h))

@@ -6,6 +6,7 @@ import torch
 
 from kvstack import calibrate
 from kvstack.cache.cache import KVCache
+from kvstack.cache.compensation import fold
 from kvstack.calibrate import heads
 from kvstack.errors import UserError
 from kvstack.generate import Runner
@@ -255,7 +256,7 @@ def test_razor_folds_what_a_head_evicts_into_one_compensation_token():
     from kvstack.methods.select import Keep
 
     layer.apply(Keep(index=keep.view(1, 1, 4), count=torch.tensor([[4]])))
-    layer.fold(dropped, keys, values, slots)
+    fold(layer, dropped, keys, values, slots)
     # by hand: tokens 1..4 averaged -> key (2.5, 2.5), value 25, at slot 1 between the sink and the recent ones
     assert layer.slots[0][0].tolist() == [0, 1, 5, 6, 7]
     assert layer.keys[0][0, :, 0].tolist() == [0.0, 2.5, 5.0, 6.0, 7.0] and layer.values[0][0, 1, 0] == 25.0
@@ -263,7 +264,7 @@ def test_razor_folds_what_a_head_evicts_into_one_compensation_token():
     # evicting 5 and 6 later: the running mean over the six tokens it now stands for, (1+2+3+4+5+6)/6
     dense = layer.dense(layer.keys), layer.dense(layer.values), layer.dense_slots()
     layer.apply(Keep(index=torch.tensor([[[0, 1, 4]]]), count=torch.tensor([[3]])))
-    layer.fold(torch.tensor([[[False, False, True, True, False]]]), *dense)
+    fold(layer, torch.tensor([[[False, False, True, True, False]]]), *dense)
     assert (
         layer.slots[0][0].tolist() == [0, 1, 7]
         and layer.keys[0][0, 1, 0] == 3.5

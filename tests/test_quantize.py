@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from kvstack.cache.cache import KVCache
 from kvstack.cache.encoded import Uniform, Where, gather_rows, minmax
-from kvstack.cache.packing import BIT_WIDTHS, pack, packed_size, unpack
+from kvstack.cache.packing import BIT_WIDTHS, pack, packed_size, unpack, unpack_float
 from kvstack.errors import UserError
 from kvstack.generate import Runner
 from kvstack.methods.quantize.cq import CodebookCodec
@@ -52,6 +52,23 @@ def test_pack_unpack_round_trips_exactly(bits, rows, n, seed):
     packed = pack(codes, bits)
     assert packed.dtype == torch.uint8 and packed.shape == (rows, packed_size(n, bits))
     assert torch.equal(unpack(packed, bits, n), codes)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from(BIT_WIDTHS), st.integers(1, 3), st.integers(1, 140), st.integers(0, 5), st.integers(0, 2**31))
+def test_unpack_float_reads_the_codes_whatever_the_row_width_and_offset(bits, rows, n, skip, seed):
+    # rows whose bytes come in fours take the word-shift path, others the table; a slice that
+    # starts off a word boundary must read the same codes
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 2**bits, (rows + 6, n), generator=g).to(torch.uint8)
+    packed = pack(codes, bits).reshape(-1)[skip:]
+    width = packed_size(n, bits)
+    rows_left = packed.numel() // width
+    packed = packed[: rows_left * width].reshape(rows_left, width)
+    out = unpack_float(packed, bits, n)
+    assert out.dtype == torch.float32 and torch.equal(out, unpack(packed, bits, n).float())
+    out.add_(1)  # a fresh tensor: writing it leaves the codes alone
+    assert torch.equal(unpack(packed, bits, n).float() + 1, out)
 
 
 def test_packed_bytes_fall_with_bits():

@@ -7,7 +7,7 @@ the layer's cache records what its methods need (see `statistics`) and compresse
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -105,33 +105,44 @@ FEW_QUERIES = 8  # up to this many new queries, attention runs as `few_queries`
 
 def few_queries(
     query: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
+    keys: Sequence[torch.Tensor],
+    values: Sequence[torch.Tensor],
     mask: torch.Tensor | None,
     bias: torch.Tensor | None,
     scale: float,
 ) -> torch.Tensor:
-    """(b, h*g, q, dv) attention of a few queries (b, h*g, q, d) over keys, values (b, h, t, d):
-    the g query heads of KV head h attend its keys.
+    """(b, h*g, q, dv) attention of a few queries (b, h*g, q, d) over keys, values given as parts
+    along the tokens, each (b, h, t_i, d) (a layer's decoded codes, then its newest tokens): the
+    g query heads of KV head h attend its keys.
 
     Logits and softmax in float32, the probabilities times values in the values' dtype (the
-    model's, as flash kernels do; float32 when they were decoded from codes). On CPU, SDPA's bf16
-    kernel with one query takes ~6 ms over 8k keys where these two batched products take ~0.7 ms.
+    model's, as flash kernels do; float32 once some parts were decoded from codes). Logits are
+    taken part by part and joined, so parts are never copied into one tensor. On CPU, SDPA's
+    bf16 kernel with one query takes ~6 ms over 8k keys where these batched products take ~0.7 ms.
     mask: (b or 1, h or 1, q, t) True where a key may be seen; bias: (b, h, t) log-counts added
     to the logits (merged entries), or None.
     """
     b, hg, q, d = query.shape
-    h, t = keys.shape[1], keys.shape[2]
+    h = keys[0].shape[1]
     g = hg // h
-    # (b*h, g*q, d) @ (b*h, d, t): keys are not broadcast over the group (that would copy them)
-    flat_keys = keys.float().reshape(b * h, t, d).transpose(1, 2)
-    logits = torch.bmm(query.reshape(b * h, g * q, d).float(), flat_keys).view(b, h, g, q, t) * scale
+    flat_query = query.reshape(b * h, g * q, d).float()
+    # (b*h, g*q, d) @ (b*h, d, t_i): keys are not broadcast over the group (that would copy them)
+    parts = [torch.bmm(flat_query, k.float().reshape(b * h, k.shape[2], d).transpose(1, 2)) for k in keys]
+    t = sum(p.shape[-1] for p in parts)
+    logits = (parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)).view(b, h, g, q, t) * scale
     if bias is not None:
         logits = logits + bias[:, :, None, None, :]
     if mask is not None:
         logits = logits.masked_fill(~mask.unsqueeze(2), float("-inf"))
-    probs = torch.softmax(logits, dim=-1).to(values.dtype).view(b * h, g * q, t)
-    return torch.bmm(probs, values.reshape(b * h, t, -1)).view(b, hg, q, -1).to(query.dtype)
+    probs = torch.softmax(logits, dim=-1).view(b * h, g * q, t)
+    dtype = values[0].dtype if len(values) == 1 else torch.float32
+    out, at = None, 0
+    for v in values:
+        t_i = v.shape[2]
+        part = torch.bmm(probs[..., at : at + t_i].to(dtype), v.to(dtype).reshape(b * h, t_i, -1))
+        out, at = part if out is None else out.add_(part), at + t_i
+    assert out is not None
+    return out.view(b, hg, q, -1).to(query.dtype)
 
 
 def kvstack_attention(
@@ -202,6 +213,7 @@ def kvstack_attention(
         sliding_window,
         scale,
         layer.head_bias,
+        layer.head_parts,
     )
     cache.observe(layer, query, view.query_slots, padding, sliding_window, scale)
     return out, None
@@ -237,31 +249,41 @@ def _attend(
     window: int | None,
     scale: float,
     bias_of: Callable[[int], torch.Tensor | None],
+    parts_of: Callable[[int], tuple[list[torch.Tensor], list[torch.Tensor]]] | None = None,
 ) -> torch.Tensor:
     """Per KV head h: its group of queries (b, g, q, d) attends its own keys/values (b, t_h, d).
 
     keys_of(h), values_of(h) give head h's tensors (decoding encoded tokens one head at a time,
     so the full-precision copy never spans the whole cache); slots_of(h) gives its slots (b, t_h)
     or (t_h,), only called when a mask is needed; bias_of(h) the (b, t_h) log-counts of merged
-    entries added to their logits, or None.
+    entries added to their logits, or None; parts_of(h), when given, head h's keys and values as
+    parts along its tokens for a few queries (no copy joins them).
     """
     b, n_q_heads, q, d = query.shape
     g = n_q_heads // n_kv_heads
     out: torch.Tensor | None = None
     for h in range(n_kv_heads):
-        k, v = keys_of(h), values_of(h)
-        if out is None:  # values may be narrower or wider than queries
-            out = query.new_empty(b, n_q_heads, q, v.shape[-1])
         qh = query[:, h * g : (h + 1) * g]
         if q <= FEW_QUERIES:  # decoding: two matmuls, not SDPA's kernel (see `few_queries`)
+            ks, vs = parts_of(h) if parts_of is not None else ([keys_of(h)], [values_of(h)])
+            if out is None:  # values may be narrower or wider than queries
+                out = query.new_empty(b, n_q_heads, q, vs[0].shape[-1])
             mask = None
             if padding is not None or window is not None or q > 1:
                 mask = head_mask(slots_of(h), query_slots, padding, window)
             bias = bias_of(h)
             out[:, h * g : (h + 1) * g] = few_queries(
-                qh, k.unsqueeze(1), v.unsqueeze(1), mask, None if bias is None else bias.unsqueeze(1), scale
+                qh,
+                [k.unsqueeze(1) for k in ks],
+                [v.unsqueeze(1) for v in vs],
+                mask,
+                None if bias is None else bias.unsqueeze(1),
+                scale,
             )
             continue
+        k, v = keys_of(h), values_of(h)
+        if out is None:
+            out = query.new_empty(b, n_q_heads, q, v.shape[-1])
         k4, v4 = k.unsqueeze(1), v.unsqueeze(1)
         bias = bias_of(h)
         if bias is not None:  # merged entries: an additive float mask carries their log-counts

@@ -20,7 +20,8 @@ from kvstack.cache.attention import ATTENTION, LayerView, register
 from kvstack.cache.budget import Budget
 from kvstack.cache.factory import register_cache
 from kvstack.cache.hidden import install
-from kvstack.cache.layer import CompressedLayer, SequenceState, storage_bytes
+from kvstack.cache.layer import CompressedLayer, storage_bytes
+from kvstack.cache.sequence import SequenceState
 from kvstack.models.config import text_config
 from kvstack.models.rope import layer_frequencies
 from kvstack.policy.policy import Policy

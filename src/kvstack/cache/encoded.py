@@ -223,20 +223,21 @@ class Uniform(Codec):
         return self.decode_as(enc, enc.dtype)
 
     def decode_as(self, enc: Encoded, dtype: torch.dtype) -> torch.Tensor:
+        # codes * scale + zero in float32, written over the fresh codes (no second full-size tensor)
         b, n, d = enc.tokens["codes"].shape[0], enc.n, enc.dim
         codes = unpack_float(enc.tokens["codes"], self.bits, d)
-        if self.axis == "token":  # codes * scale + zero, in float32
+        if self.axis == "token":
             c = codes.reshape(b, n, d // self.group, self.group)
-            out = torch.addcmul(enc.tokens["zero"].float().unsqueeze(-1), c, enc.tokens["scale"].float().unsqueeze(-1))
-            return out.reshape(b, n, d).to(dtype)
+            c.mul_(enc.tokens["scale"].unsqueeze(-1)).add_(enc.tokens["zero"].unsqueeze(-1))
+            return c.reshape(b, n, d).to(dtype)
         if "count" in enc.groups:  # groups thinned by evictions: each token reads its own group
-            return torch.addcmul(enc.per_token("zero").float(), codes, enc.per_token("scale").float()).to(dtype)
+            return codes.mul_(enc.per_token("scale")).add_(enc.per_token("zero")).to(dtype)
         g = self.group
         pad = (-n) % g  # a group broadcasts over its tokens: (b, m, g, d) * (b, m, 1, d)
         c = torch.cat([codes, codes.new_zeros(b, pad, d)], dim=1) if pad else codes
         c = c.reshape(b, -1, g, d)
-        out = torch.addcmul(enc.groups["zero"].float().unsqueeze(2), c, enc.groups["scale"].float().unsqueeze(2))
-        return out.reshape(b, -1, d)[:, :n].to(dtype)
+        c.mul_(enc.groups["scale"].unsqueeze(2)).add_(enc.groups["zero"].unsqueeze(2))
+        return c.reshape(b, -1, d)[:, :n].to(dtype)
 
     def token_bytes(self, dim: int) -> float:
         meta = 2 * META_DTYPE.itemsize

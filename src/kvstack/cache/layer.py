@@ -15,14 +15,15 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
-from kvstack.cache.encoded import Codec, Encoded, Uniform, Where, gather_rows
+from kvstack.cache.coded import Coded, alike, compact, decode_heads
+from kvstack.cache.encoded import Codec, Encoded, Where, gather_rows
 from kvstack.cache.heads import PerHead
 from kvstack.cache.keep import Keep
+from kvstack.cache.sequence import SequenceState
 
 SLOT_DTYPE = torch.int32
 WEIGHT = "log_count"  # per-token statistic: log of how many tokens a merged entry stands for
@@ -35,104 +36,6 @@ def storage_bytes(tensors: list[torch.Tensor]) -> int:
         storage = t.untyped_storage()
         seen[storage.data_ptr()] = storage.nbytes()
     return sum(seen.values())
-
-
-@dataclass
-class SequenceState:
-    """What all layers share about the sequences: padding, which slots are exempt, where the prompt ends.
-
-    padding: (b, slots) True for real tokens, None when nothing is padded; exempt: slot ranges
-    [start, end) appended uncompressed (e.g. a question after a query-agnostic compression).
-    """
-
-    padding: torch.Tensor | None = None
-    exempt: list[tuple[int, int]] = field(default_factory=list)
-    prompt_end: int = 0  # slots before this arrived in multi-token (prefill) chunks
-
-    def real_counts(self, seen: int, batch: int, since: int = 0, device: torch.device | None = None) -> torch.Tensor:
-        """(b,) real tokens among slots [since, seen)."""
-        if self.padding is None:
-            return torch.full((batch,), max(seen - since, 0), dtype=torch.long, device=device)
-        return self.padding[:, since:seen].sum(-1).long()
-
-    def token_index(self) -> torch.Tensor | None:
-        """(b, slots) position of each slot among its sequence's real tokens, or None."""
-        if self.padding is None:
-            return None
-        return (self.padding.long().cumsum(-1) - 1).clamp(min=0)
-
-    def copy(self) -> SequenceState:
-        """An independent copy (tensors are replaced, never written in place, so they are shared)."""
-        return SequenceState(self.padding, list(self.exempt), self.prompt_end)
-
-    def is_exempt(self, slots: torch.Tensor) -> torch.Tensor:
-        """Bool tensor like slots: True for slots inside an exempt range."""
-        out = torch.zeros_like(slots, dtype=torch.bool)
-        for start, end in self.exempt:
-            out |= (slots >= start) & (slots < end)
-        return out
-
-
-@dataclass(eq=False)
-class Coded:
-    """Tokens of one head held encoded (keys and values), and whether a selection demoted them to
-    low precision instead of evicting them (MiKV)."""
-
-    keys: Encoded
-    values: Encoded
-    demoted: bool = False
-
-    @property
-    def n(self) -> int:
-        return self.keys.n
-
-    def take(self, index: torch.Tensor) -> Coded:
-        return Coded(self.keys.take(index), self.values.take(index), self.demoted)
-
-    def cat(self, other: Coded) -> Coded:
-        return Coded(self.keys.cat(other.keys), self.values.cat(other.values), self.demoted)
-
-    def tensors(self) -> list[torch.Tensor]:
-        return [*self.keys.tensors(), *self.values.tensors()]
-
-
-def _alike(a: Encoded, b: Encoded) -> bool:
-    """True when two heads' parts can be decoded as one batch: the same uniform rule (it reads no
-    per-head table), the same tensors' shapes."""
-    if not (isinstance(a.codec, Uniform) and isinstance(b.codec, Uniform)) or a.n != b.n or a.dtype != b.dtype:
-        return False
-    rule = (a.codec.bits, a.codec.axis, a.codec.group) == (b.codec.bits, b.codec.axis, b.codec.group)
-    shapes = {k: v.shape for k, v in a.tokens.items()}, {k: v.shape for k, v in a.groups.items()}
-    return rule and shapes == ({k: v.shape for k, v in b.tokens.items()}, {k: v.shape for k, v in b.groups.items()})
-
-
-def decode_heads(parts: list[Encoded], dtype: torch.dtype) -> torch.Tensor:
-    """(b, h, n, d) in `dtype`: the parts of h heads (each (b, n, d) once decoded) decoded in one
-    call, the heads laid along the batch (`_alike` parts only)."""
-    first, h = parts[0], len(parts)
-    batched = replace(
-        first,
-        tokens={k: torch.cat([p.tokens[k] for p in parts]) for k in first.tokens},
-        groups={k: torch.cat([p.groups[k] for p in parts]) for k in first.groups},
-    )
-    out = batched.decode(dtype)  # (h*b, n, d)
-    return out.view(h, -1, *out.shape[1:]).transpose(0, 1)
-
-
-def compact(positions: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row, the entries of positions (b, k) where mask holds, moved to the front in order:
-    (picked (b, k'), real (b, k')), k' the most any row picks; rows with fewer repeat their last
-    pick (0 when none), so each row stays in the order of `positions`."""
-    order = torch.argsort((~mask).to(torch.int8), dim=1, stable=True)
-    count = mask.sum(1)
-    k = int(count.max().item()) if count.numel() else 0
-    picked = torch.gather(positions, 1, order)[:, :k]
-    real = torch.arange(k, device=positions.device) < count.unsqueeze(1)
-    if k == 0:
-        return picked, real
-    last = torch.gather(picked, 1, (count - 1).clamp(min=0).unsqueeze(1))
-    last = torch.where(count.unsqueeze(1) > 0, last, torch.zeros_like(last))
-    return torch.where(real, picked, last.expand_as(picked)), real
 
 
 class CompressedLayer:
@@ -217,26 +120,34 @@ class CompressedLayer:
             return self.values[h]
         return torch.cat([*(c.values.decode() for c in self.coded[h]), self.values[h]], dim=1)
 
-    def layer_kv(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(keys, values), each (b, h, t, d) in storage order (float32 once some are encoded), every
-        head's encoded parts decoded in one call per part, when the heads are alike (plain tokens
-        stacked, the same parts with the same uniform codecs and shapes, nothing merged); else
-        None, and attention goes head by head."""
+    def head_parts(self, h: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Head h's keys and values as parts along its tokens in storage order, each (b, t_i, d):
+        the encoded parts decoded straight to float32 (what attention reads), then the tokens held
+        in the model's dtype; never joined into one tensor."""
+        f32 = torch.float32
+        keys = [*(c.keys.decode(f32) for c in self.coded[h]), self.keys[h]]
+        return keys, [*(c.values.decode(f32) for c in self.coded[h]), self.values[h]]
+
+    def layer_kv(self) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
+        """(keys, values) as parts along the tokens in storage order, each (b, h, t_i, d): every
+        head's encoded parts decoded to float32 in one call per part, then the tokens held in the
+        model's dtype; when the heads are alike (plain tokens stacked, the same parts with the same
+        uniform codecs and shapes, nothing merged). Else None, and attention goes head by head."""
         keys, values = self.keys.stacked, self.values.stacked
         if keys is None or values is None or WEIGHT in self.stats:
             return None
         if not any(self.coded):
-            return keys, values
+            return [keys], [values]
         first = self.coded[0]
         if any(len(parts) != len(first) for parts in self.coded):
             return None
         pairs = [(p, q) for parts in self.coded for p, q in zip(parts, first, strict=True)]
-        if not all(_alike(p.keys, q.keys) and _alike(p.values, q.values) and p.demoted == q.demoted for p, q in pairs):
+        if not all(alike(p.keys, q.keys) and alike(p.values, q.values) and p.demoted == q.demoted for p, q in pairs):
             return None
         parts, f32 = range(len(first)), torch.float32  # attention reads float32: decode straight to it
         coded_keys = [decode_heads([self.coded[h][i].keys for h in range(self.n_kv_heads)], f32) for i in parts]
         coded_values = [decode_heads([self.coded[h][i].values for h in range(self.n_kv_heads)], f32) for i in parts]
-        return torch.cat([*coded_keys, keys.float()], dim=2), torch.cat([*coded_values, values.float()], dim=2)
+        return [*coded_keys, keys], [*coded_values, values]
 
     def head_bias(self, h: int) -> torch.Tensor | None:
         """(b, t_h) float32 log-count added to head h's attention logits (storage order), or None
@@ -586,79 +497,6 @@ class CompressedLayer:
             for name, per_head in self.stats.items():
                 new_stats[name].append(torch.gather(per_head[h], 1, idx))
         self.keys, self.values, self.slots, self.stats = new_keys, new_values, new_slots, new_stats
-
-    def fold(self, dropped: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor) -> None:
-        """Average the tokens just evicted into each head's compensation token (RazorAttention).
-
-        dropped (b, h, t): the evicted tokens in the dense view taken before `apply`; keys, values
-        (b, h, t, d) and slots (b, h, t) that view. A head without a compensation token gets one at
-        its first evicted slot; one that has it updates the running mean (count-weighted). The
-        token is an ordinary entry for attention (the reference code gives it no extra weight).
-        Call after `apply`, which must have kept the existing compensation tokens.
-        """
-        if self.is_coded:
-            raise NotImplementedError("a compensation token over encoded tokens is not supported")
-        b, h = dropped.shape[:2]
-        device = dropped.device
-        if self.comp_slot is None or self.comp_count is None:
-            self.comp_slot = torch.full((b, h), -1, dtype=torch.long, device=device)
-            self.comp_count = torch.zeros(b, h, dtype=torch.float32, device=device)
-        n_new = dropped.sum(-1).float()  # (b, h)
-        if not bool((n_new > 0).any()):
-            return
-        weight = dropped.float().unsqueeze(-1)
-        sum_k, sum_v = (keys.float() * weight).sum(2), (values.float() * weight).sum(2)  # (b, h, d)
-        first = torch.where(dropped, slots, torch.full_like(slots, torch.iinfo(torch.long).max)).amin(-1)
-        assert self.slots is not None
-        # a token a sliding window has since dropped is gone: its head starts a new one
-        has = torch.stack(
-            [
-                ((self.slots[hh].long() == self.comp_slot[:, hh : hh + 1]) & (self.comp_slot[:, hh : hh + 1] >= 0)).any(
-                    1
-                )
-                for hh in range(h)
-            ],
-            dim=1,
-        )  # (b, h)
-        self.comp_count = torch.where(has, self.comp_count, torch.zeros_like(self.comp_count))
-        slot = torch.where(has, self.comp_slot, first)
-        for hh in range(h):
-            rows = n_new[:, hh] > 0
-            if not bool(rows.any()):
-                continue
-            k_h, v_h, s_h = self.keys[hh], self.values[hh], self.slots[hh].long()
-            at = (s_h == slot[:, hh : hh + 1]) & has[:, hh : hh + 1]  # (b, t_h) the existing token
-            old_k = (k_h.float() * at.unsqueeze(-1)).sum(1)
-            old_v = (v_h.float() * at.unsqueeze(-1)).sum(1)
-            n_old = self.comp_count[:, hh]
-            total = (n_old + n_new[:, hh]).clamp(min=1).unsqueeze(-1)
-            new_k = ((old_k * n_old.unsqueeze(-1) + sum_k[:, hh]) / total).to(k_h.dtype)
-            new_v = ((old_v * n_old.unsqueeze(-1) + sum_v[:, hh]) / total).to(v_h.dtype)
-            insert = rows & ~has[:, hh]
-            if bool(insert.any()):  # one more entry, placed in slot order (empty where not inserted)
-                k_h = torch.cat([k_h, new_k.unsqueeze(1)], dim=1)
-                v_h = torch.cat([v_h, new_v.unsqueeze(1)], dim=1)
-                s_h = torch.cat([s_h, torch.where(insert, slot[:, hh], -1).unsqueeze(1)], dim=1)
-                at = torch.cat([at, insert.unsqueeze(1)], dim=1)
-                order = torch.argsort(torch.where(s_h < 0, torch.iinfo(torch.long).max, s_h), dim=1, stable=True)
-                k_h = torch.gather(k_h, 1, order.unsqueeze(-1).expand_as(k_h))
-                v_h = torch.gather(v_h, 1, order.unsqueeze(-1).expand_as(v_h))
-                at, s_h = torch.gather(at, 1, order), torch.gather(s_h, 1, order)
-                for per_head in self.stats.values():
-                    x = torch.cat([per_head[hh], per_head[hh].new_zeros(b, 1)], dim=1)
-                    per_head[hh] = torch.gather(x, 1, order)
-            update = at & rows.unsqueeze(1)
-            self.keys = self.keys.with_head(hh, torch.where(update.unsqueeze(-1), new_k.unsqueeze(1), k_h))
-            self.values = self.values.with_head(hh, torch.where(update.unsqueeze(-1), new_v.unsqueeze(1), v_h))
-            self.slots[hh] = s_h.to(SLOT_DTYPE)
-        self.comp_count = torch.where(n_new > 0, self.comp_count + n_new, self.comp_count)
-        self.comp_slot = torch.where(n_new > 0, slot, torch.where(has, self.comp_slot, -1))
-
-    def compensation_mask(self, slots: torch.Tensor) -> torch.Tensor:
-        """(b, h, t) True where the dense view holds a head's compensation token."""
-        if self.comp_slot is None:
-            return torch.zeros_like(slots, dtype=torch.bool)
-        return (slots == self.comp_slot.unsqueeze(-1)) & (self.comp_slot.unsqueeze(-1) >= 0)
 
     def trim_window(self) -> None:
         """Sliding layers: drop tokens no future query can see (older than window - 1 real tokens)."""

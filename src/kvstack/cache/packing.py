@@ -6,6 +6,8 @@ packs eight codes into three bytes through bit planes. The last axis is packed.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from kvstack.errors import UserError
@@ -67,14 +69,31 @@ def unpack(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
 
 
 _TABLES: dict[tuple[int, torch.device], torch.Tensor] = {}
+_SHIFTS: dict[tuple[int, torch.device], torch.Tensor] = {}
 
 
 def unpack_float(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
-    """`unpack` straight to float32: (..., ceil(n * bits / 8)) uint8 -> (..., n) float32. Widths
-    that divide 8 read each byte's codes from a 256-row table (one lookup instead of shifting,
-    masking and converting: half the time on the decoding hot path)."""
+    """`unpack` straight to float32: (..., ceil(n * bits / 8)) uint8 -> (..., n) float32, a new
+    tensor the caller may write in place.
+
+    Widths that divide 8 shift whole 32-bit words when a row's bytes come in fours (a head of 64
+    channels at 1, 2 or 4 bits): one shift, one mask and one conversion over int32 lanes, ~2x
+    faster on the decoding hot path than reading each byte's codes from a 256-row table, the
+    fallback for other rows."""
     if bits == 8 or 8 % bits:
         return unpack(packed, bits, n).float()
+    width = packed.shape[-1]
+    if width % 4 == 0 and sys.byteorder == "little":  # byte k of a word sits at bits 8k..8k+7
+        key = (bits, packed.device)
+        shifts = _SHIFTS.get(key)
+        if shifts is None:
+            shifts = _SHIFTS[key] = torch.arange(0, 32, bits, device=packed.device, dtype=torch.int32)
+        packed = packed.contiguous()
+        if packed.storage_offset() % 4:  # a word view must start on a word
+            packed = packed.clone()
+        words = packed.view(torch.int32)  # (..., width / 4)
+        codes = ((words.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).float()  # (..., width / 4, 32 / bits)
+        return codes.reshape(*packed.shape[:-1], width * 8 // bits)[..., :n]
     key = (bits, packed.device)
     table = _TABLES.get(key)
     if table is None:
@@ -83,4 +102,4 @@ def unpack_float(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
             (torch.arange(256, device=packed.device)[:, None] >> shifts) & ((1 << bits) - 1)
         ).float()
     codes = torch.nn.functional.embedding(packed.int(), table)  # (..., bytes, 8 // bits)
-    return codes.reshape(*packed.shape[:-1], -1)[..., :n]
+    return codes.reshape(*packed.shape[:-1], width * 8 // bits)[..., :n]

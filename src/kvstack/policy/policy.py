@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvstack.cache.budget import Budget
+from kvstack.cache.compensation import compensation_mask, fold
 from kvstack.cache.statistics import PROMPT_PASSES
 from kvstack.errors import UserError
 from kvstack.methods.base import Method, Observation, decode_block, recent_mask
@@ -234,7 +235,7 @@ class Policy:
             keep = torch.maximum(keep - (block - 1), torch.clamp(counts, max=self.stack.min_tokens))
         folding = self.stack.compensates
         if folding:  # the compensation token is kept, and one place is left for a new one
-            token = layer.compensation_mask(obs.slots)
+            token = compensation_mask(layer, obs.slots)
             scores = torch.where(token, torch.full_like(scores, float("inf")), scores)
             protected = token if protected is None else protected | token
             keep = torch.where(over & ~token.any(-1), (keep - 1).clamp(min=1), keep)
@@ -252,7 +253,7 @@ class Policy:
             self.merge(layer, obs, kept)
         layer.apply(decision, self.shares.demote_codecs)
         if folding:
-            layer.fold(dropped, dense_keys, dense_values, dense_slots)
+            fold(layer, dropped, dense_keys, dense_values, dense_slots)
         self.clock.stop(start)
         self.cache.compressions += 1
 

@@ -27,14 +27,16 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
+from kvstack.cache.coded import Coded, compact
 from kvstack.cache.encoded import Codec, Encoded, gather_rows
-from kvstack.cache.layer import SLOT_DTYPE, Coded, compact
+from kvstack.cache.layer import SLOT_DTYPE
 from kvstack.errors import UserError
 from kvstack.methods.base import Stage
 
 if TYPE_CHECKING:
     from kvstack.cache.cache import KVCache
-    from kvstack.cache.layer import CompressedLayer, SequenceState
+    from kvstack.cache.layer import CompressedLayer
+    from kvstack.cache.sequence import SequenceState
 
 JOINED = "joined_until"  # attribute of a CompressedLayer: slots below it were considered for joining
 

@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
+from kvstack.cache.coded import Coded
 from kvstack.cache.encoded import Encoded, Where, gather_rows
-from kvstack.cache.layer import Coded
 from kvstack.methods.crosslayer.base import (
     CrossLayer,
     TableCodec,

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
+from kvstack.cache.coded import Coded, compact
 from kvstack.cache.encoded import Encoded, Where, gather_rows
-from kvstack.cache.layer import Coded, compact
 from kvstack.methods.crosslayer.base import (
     CrossLayer,
     TableCodec,

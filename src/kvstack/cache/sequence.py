@@ -1,0 +1,43 @@
+"""What every layer of a cache shares about its sequences: padding, exempt slots, where the prompt ends."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SequenceState:
+    """What all layers share about the sequences: padding, which slots are exempt, where the prompt ends.
+
+    padding: (b, slots) True for real tokens, None when nothing is padded; exempt: slot ranges
+    [start, end) appended uncompressed (e.g. a question after a query-agnostic compression).
+    """
+
+    padding: torch.Tensor | None = None
+    exempt: list[tuple[int, int]] = field(default_factory=list)
+    prompt_end: int = 0  # slots before this arrived in multi-token (prefill) chunks
+
+    def real_counts(self, seen: int, batch: int, since: int = 0, device: torch.device | None = None) -> torch.Tensor:
+        """(b,) real tokens among slots [since, seen)."""
+        if self.padding is None:
+            return torch.full((batch,), max(seen - since, 0), dtype=torch.long, device=device)
+        return self.padding[:, since:seen].sum(-1).long()
+
+    def token_index(self) -> torch.Tensor | None:
+        """(b, slots) position of each slot among its sequence's real tokens, or None."""
+        if self.padding is None:
+            return None
+        return (self.padding.long().cumsum(-1) - 1).clamp(min=0)
+
+    def copy(self) -> SequenceState:
+        """An independent copy (tensors are replaced, never written in place, so they are shared)."""
+        return SequenceState(self.padding, list(self.exempt), self.prompt_end)
+
+    def is_exempt(self, slots: torch.Tensor) -> torch.Tensor:
+        """Bool tensor like slots: True for slots inside an exempt range."""
+        out = torch.zeros_like(slots, dtype=torch.bool)
+        for start, end in self.exempt:
+            out |= (slots >= start) & (slots < end)
+        return out
