@@ -126,6 +126,8 @@ def test_evicting_from_a_group_keeps_the_other_tokens_bit_for_bit(codec):
     kept = enc.take(index)
     assert kept.groups["count"].tolist() == [[7, 6, 7], [6, 6, 8]] and kept.n == 20
     torch.testing.assert_close(kept.decode(), gather_rows(before, index), rtol=0, atol=0)
+    for name in set(kept.groups) - {"count"}:  # each token reads its own group's row
+        assert torch.equal(kept.per_token(name), gather_rows(kept.groups[name], kept.rows()))
     more = codec.encode(x[:, :8], HERE)
     joined = kept.cat(more)
     torch.testing.assert_close(joined.decode()[:, :20], kept.decode(), rtol=0, atol=0)

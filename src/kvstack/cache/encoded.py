@@ -108,8 +108,14 @@ class Encoded:
         return count
 
     def per_token(self, name: str) -> torch.Tensor:
-        """The group tensor `name` (b, m, ...) read per token: (b, n, ...)."""
-        return gather_rows(self.groups[name], self.rows())
+        """The group tensor `name` (b, m, ...) read per token: (b, n, ...), each group's row
+        repeated for the tokens it holds (every batch row holds n, so the rows flatten into one
+        `repeat_interleave`: no per-token index is built on the decoding path)."""
+        x = self.groups[name]
+        b, m = x.shape[:2]
+        flat = x.reshape(b * m, *x.shape[2:])
+        repeated = torch.repeat_interleave(flat, self.counts().reshape(-1), dim=0, output_size=b * self.n)
+        return repeated.reshape(b, self.n, *x.shape[2:])
 
     def take(self, index: torch.Tensor) -> Encoded:
         """The tokens at `index` (b, k), sorted in each row. Per-token tensors are gathered; groups
