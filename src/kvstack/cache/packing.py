@@ -82,9 +82,8 @@ def unpack_float(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     fallback for other rows."""
     if bits == 8 or 8 % bits:
         return unpack(packed, bits, n).float()
-    width = packed.shape[-1]
+    width, key = packed.shape[-1], (bits, packed.device)
     if width % 4 == 0 and sys.byteorder == "little":  # byte k of a word sits at bits 8k..8k+7
-        key = (bits, packed.device)
         shifts = _SHIFTS.get(key)
         if shifts is None:
             shifts = _SHIFTS[key] = torch.arange(0, 32, bits, device=packed.device, dtype=torch.int32)
@@ -94,7 +93,6 @@ def unpack_float(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
         words = packed.view(torch.int32)  # (..., width / 4)
         codes = ((words.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).float()  # (..., width / 4, 32 / bits)
         return codes.reshape(*packed.shape[:-1], width * 8 // bits)[..., :n]
-    key = (bits, packed.device)
     table = _TABLES.get(key)
     if table is None:
         shifts = torch.arange(0, 8, bits, device=packed.device)
