@@ -13,8 +13,8 @@ from kvstack.cache.cache import KVCache
 from kvstack.errors import UserError
 from kvstack.generate import Runner
 from kvstack.planning.curves import FRACTIONS, head_errors
-from kvstack.planning.options import Storage, held_bytes
-from kvstack.planning.plan import Plan, decide, rescale
+from kvstack.planning.options import Storage, cost, held_bytes
+from kvstack.planning.plan import Plan, decide, keep_tokens, rescale, tokens_kept
 from kvstack.planning.solve import SHARES, interpolate, solve
 from kvstack.planning.validate import (
     GRID,
@@ -538,3 +538,26 @@ def test_uniform_one_gives_every_head_the_same_share():
     assert torch.allclose(torch.tensor(plan.shares, dtype=torch.float64), torch.full((2, 2), 0.25, dtype=torch.float64))
     free = decide(curves, torch.tensor(FRACTIONS), ["snapkv"], [Storage()], n, 64, 256, 4, budget, 8, uniform=0.5)
     assert min(map(min, free.shares)) >= 0.125 - 1e-9 and max(map(max, free.shares)) > 0.3
+
+
+def test_tokens_kept_per_step_are_each_heads_keep_tokens():
+    """The cache asks every step for all heads' tokens at once (`tokens_kept`); it must be what
+    `keep_tokens` gives each head alone, with a layer whose shares are all 1 kept whole (`Plan.at`)."""
+    g = torch.Generator().manual_seed(0)
+    storages = ["16", "4+r0", "2/1+r32", "8+r0"]
+    rows = [[storages[(layer + h) % 4] for h in range(3)] for layer in range(5)]
+    costs = [[cost(Storage.from_text(text), 64, 256, 4) for text in row] for row in rows]
+    fractions = torch.rand(2, 5, 3, generator=g, dtype=torch.float64) * 0.3
+    fractions[0, 1] = 1.0  # every head of layer 1 may hold all it has (sequence 0)
+    fractions[1, 0, 0] = 1.0  # one plain head of layer 0 at its full share, the others below
+    rooms = torch.tensor([[900, 900, 900, 15, 900], [300, 300, 300, 300, 6]])
+    got = tokens_kept(fractions, rooms, Cost.table(costs), least=8)
+    for b in range(2):
+        for layer in range(5):
+            n = int(rooms[b, layer])
+            whole = float(fractions[b, layer].min()) >= 1.0
+            alone = [
+                n if whole else keep_tokens(float(fractions[b, layer, h]), n, costs[layer][h], 8) for h in range(3)
+            ]
+            assert got[b, layer].tolist() == alone
+    assert got[0, 1].tolist() == [900] * 3 and got[1, 0, 0] < 300  # alone, a plain head pays for its slots

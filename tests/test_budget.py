@@ -5,7 +5,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvstack.cache.budget import Budget, Cost, tokens_to_keep
+from kvstack.cache.budget import Budget, Cost, tokens_at_fraction, tokens_to_keep
 from kvstack.errors import UserError
 
 
@@ -44,3 +44,25 @@ def test_kept_bytes_never_exceed_the_budget(fraction, n):
     else:
         assert keep == n
     assert not math.isnan(keep)
+
+
+costs = st.builds(
+    Cost,
+    st.just(256),
+    st.floats(20.0, 300.0),
+    st.integers(0, 64),
+    st.floats(256.0, 300.0),
+    st.sampled_from([0.0, 40.0]),
+    st.sampled_from([0.0, 512.0]),
+)
+
+
+@given(st.lists(st.tuples(st.floats(1e-4, 1.0 - 1e-9), st.integers(0, 20_000), costs), min_size=1, max_size=6))
+def test_shares_per_head_are_each_heads_own_budget(heads):
+    """`auto` turns every head's share into tokens at once, each head at its own storage's cost:
+    the same count, bit for bit, as a fraction budget of that share for that head alone."""
+    table = Cost.table([c for _, _, c in heads])
+    shares = torch.tensor([s for s, _, _ in heads], dtype=torch.float64)
+    n = torch.tensor([n for _, n, _ in heads])
+    alone = [int(tokens_to_keep(Budget(fraction=s), torch.tensor([k]), c)[0]) for s, k, c in heads]
+    assert tokens_at_fraction(shares, n, table).tolist() == alone

@@ -285,3 +285,23 @@ def test_fidelity_is_perfect_for_the_full_cache_and_degrades_with_budget(tiny):
     assert full["ppl"] > 1.0 and full["kv_ratio"] == 1.0
     assert half["kl"] > 1e-6 and eighth["kl"] > 1e-6  # evicting context changes the continuation
     assert eighth["kv_ratio"] <= 0.125
+
+
+@pytest.mark.parametrize(
+    "spec", ["full", "keydiff", "adakv(snapkv(window_size=4, every=4))", "mikv(keydiff, group=8, residual=4)"]
+)
+def test_counts_per_head_are_the_real_tokens_of_the_dense_view(llama, spec):
+    """The policy reads `counts` at every decoding step, per head in storage order; it must count
+    what the dense view (sorted by slot, padded, demoted tokens flagged) holds as real."""
+    rows = [prompt(60, seed=1), prompt(37, seed=2)]
+    ids = torch.tensor([[0] * (60 - len(r)) + r for r in rows])
+    cache = KVCache(llama, spec, 0.4)
+    runner = Runner(llama, cache)
+    logits = runner.forward(ids, (ids != 0).long())
+    for _ in range(6):
+        logits = runner.forward(logits.argmax(-1, keepdim=True), torch.ones(2, 1, dtype=torch.long))
+        for layer in cache.layers:
+            valid = layer.valid_mask(layer.dense_slots())
+            assert layer.counts().tolist() == valid.sum(-1).tolist()
+            kept = valid & ~layer.dense_demoted()
+            assert layer.counts(exclude_demoted=True).tolist() == kept.sum(-1).tolist()

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 
@@ -125,6 +126,16 @@ class Cost:
     dropped: float = 0.0
     fixed: float = 0.0
 
+    @classmethod
+    def table(cls, costs: list) -> Cost:
+        """Many heads' costs (a nested list of `Cost`s) as one `Cost` whose fields are float64
+        tensors of the list's shape: what `tokens_at_fraction` reads elementwise."""
+
+        def field(x: Any, name: str) -> Any:
+            return [field(y, name) for y in x] if isinstance(x, list) else getattr(x, name)
+
+        return cls(**{f.name: torch.tensor(field(costs, f.name), dtype=torch.float64) for f in fields(cls)})
+
 
 def tokens_to_keep(budget: Budget, n_full: torch.Tensor, cost: Cost) -> torch.Tensor:
     """Tokens each head may keep (the rest evicted, or demoted) so its bytes stay within budget.
@@ -139,11 +150,19 @@ def tokens_to_keep(budget: Budget, n_full: torch.Tensor, cost: Cost) -> torch.Te
     if budget.tokens is not None:
         return torch.clamp(n_full, max=budget.tokens)
     assert budget.fraction is not None
+    return tokens_at_fraction(budget.fraction, n_full, cost)
+
+
+def tokens_at_fraction(fraction: float | torch.Tensor, n_full: torch.Tensor, cost: Cost) -> torch.Tensor:
+    """`tokens_to_keep` for a fraction budget, elementwise: `fraction` and the fields of `cost`
+    may be float64 tensors broadcasting with n_full (a share and a storage per head: `auto`)."""
     n = n_full.double()
-    allowed = n * budget.fraction * cost.full - cost.fixed - n * cost.dropped
-    r = torch.clamp(n, max=cost.residual)
+    allowed = n * fraction * cost.full - cost.fixed - n * cost.dropped
+    r = torch.minimum(n, torch.as_tensor(cost.residual, dtype=n.dtype))
     with_residual = r + torch.floor((allowed - r * (cost.residual_bytes - cost.dropped)) / (cost.kept - cost.dropped))
-    within_residual = torch.floor(allowed / (max(cost.residual_bytes, cost.kept) - cost.dropped))
+    residual_bytes, kept = (torch.as_tensor(x, dtype=n.dtype) for x in (cost.residual_bytes, cost.kept))
+    costlier = torch.maximum(residual_bytes, kept)
+    within_residual = torch.floor(allowed / (costlier - cost.dropped))
     keep = torch.where(with_residual >= r, with_residual, torch.minimum(within_residual, r))
     return torch.minimum(keep.clamp(min=0).long(), n_full)
 

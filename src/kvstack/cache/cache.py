@@ -142,6 +142,7 @@ class KVCache(Cache):
             layer.select_batch(beam_idx)
         if self.seq.padding is not None:
             self.seq.padding = self.seq.padding[beam_idx]
+        self.policy.shares.forget()
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         self.reorder_cache(indices)  # type: ignore[arg-type]

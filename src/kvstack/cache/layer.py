@@ -206,20 +206,28 @@ class CompressedLayer:
         return ok & torch.gather(pad, 1, flat).reshape(slots.shape)
 
     def counts(self, exclude_demoted: bool = False) -> torch.Tensor:
-        """(b, h) real tokens held per head (not counting demoted ones if asked)."""
-        valid = self.valid_mask(self.dense_slots())
-        if exclude_demoted:
-            valid = valid & ~self.dense_demoted()
-        return valid.sum(-1)
+        """(b, h) real tokens held per head (not counting demoted ones if asked); read per head in
+        storage order (no dense view: the policy asks at every decoding step)."""
+        b, device = self.batch, self.keys[0].device
+        if self.slots is None and self.seq.padding is None:  # every slot of the contiguous range is real
+            return torch.tensor([[self.head_len(h) for h in range(self.n_kv_heads)]] * b, device=device)
+        per_head = []
+        for h in range(self.n_kv_heads):
+            valid = self.valid_mask(self.head_slots(h).expand(b, -1))
+            if exclude_demoted:
+                valid = valid & ~self.head_demoted(h)
+            per_head.append(valid.sum(-1))
+        return torch.stack(per_head, dim=1)
+
+    def head_demoted(self, h: int) -> torch.Tensor:
+        """(b, t_h) True, in storage order, where head h holds a token a selection demoted (MiKV)."""
+        parts = [torch.full((self.batch, c.n), c.demoted, dtype=torch.bool) for c in self.coded[h]]
+        plain = torch.zeros(self.batch, self.keys[h].shape[1], dtype=torch.bool)
+        return torch.cat([*parts, plain], 1).to(self.keys[0].device)
 
     def dense_demoted(self) -> torch.Tensor:
         """(b, h, t) True where the dense view holds a token a selection demoted (MiKV)."""
-        b = self.batch
-        flags = []
-        for h in range(self.n_kv_heads):
-            parts = [torch.full((b, c.n), c.demoted, dtype=torch.bool) for c in self.coded[h]]
-            flags.append(torch.cat([*parts, torch.zeros(b, self.keys[h].shape[1], dtype=torch.bool)], 1))
-        return self.dense([f.to(self.keys[0].device) for f in flags], fill=False).bool()
+        return self.dense([self.head_demoted(h) for h in range(self.n_kv_heads)], fill=False).bool()
 
     def nbytes(self) -> int:
         """Bytes of storage this layer keeps alive for attention: keys, values, slots (and the

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from kvstack.cache.budget import Budget
+from kvstack.cache.budget import Budget, Cost
 from kvstack.cache.layer import CompressedLayer
 from kvstack.errors import UserError
 from kvstack.methods.base import Method, Observation
@@ -36,7 +36,7 @@ from kvstack.methods.registry import method_class, register
 from kvstack.planning import validate as validation
 from kvstack.planning.curves import FRACTIONS
 from kvstack.planning.options import GROUP, Storage, codecs, cost
-from kvstack.planning.plan import Plan, keep_tokens
+from kvstack.planning.plan import Plan, tokens_kept
 from kvstack.planning.validate import Candidate, candidates, losses, nearest, ranking
 from kvstack.stack import Stack
 
@@ -342,33 +342,31 @@ class Planner:
         self.measured = stage.prepare(source)
         self.plan: Plan | None = None  # decided at the first compression
         self._shares: tuple[int, torch.Tensor] | None = None  # (seen, (b, L, h) byte shares) memo
+        self._keep: torch.Tensor | None = None  # (b, L, h) tokens each head keeps, memoised with _shares
+        self._costs: Cost | None = None  # (L, h) each head's token costs under the plan
+
+    def forget(self) -> None:
+        """Drop this step's memo (the batch's rows were reordered)."""
+        self._shares = self._keep = None
 
     def scorer(self, layer_idx: int) -> Method:
         """The scorer the plan gives layer `layer_idx`."""
         assert self.plan is not None
         return self.stage.methods[self.plan.scorers[layer_idx]]
 
-    def keep(self, shares: Any, layer: CompressedLayer, room: torch.Tensor) -> torch.Tensor:
+    def keep(self, shares: Any, layer: CompressedLayer) -> torch.Tensor:
         """(b, h) tokens each head of `layer` keeps under the plan (`shares`: the cache's
-        `kvstack.policy.shares.Shares`; room (b,) its evictable tokens): its byte share of its full
-        bytes (rescaled per sequence as it grows, so each sequence holds its budget), at its
-        storage; everything when the budget pays for the full cache."""
-        fractions = self.shares(shares, layer)[:, layer.layer_idx]  # (b, h)
-        assert self.plan is not None
-        full = layer.token_bytes(explicit_slots=False)
-        slot, d = layer.token_bytes() - full, layer.keys[0].shape[-1]
-        keep = room.unsqueeze(1).expand(-1, layer.n_kv_heads).clone()
-        for h in range(layer.n_kv_heads):
-            head_cost = cost(self.plan.storage(layer.layer_idx, h), d, full, slot)
-            for b in range(layer.batch):
-                if float(fractions[b].min()) < 1.0:
-                    keep[b, h] = keep_tokens(float(fractions[b, h]), int(room[b]), head_cost, self.stage.min_tokens)
-        return keep
+        `kvstack.policy.shares.Shares`): its byte share of its full bytes (rescaled per sequence as
+        it grows, so each sequence holds its budget), at its storage, as `tokens_kept` counts;
+        everything when the budget pays for the full cache. Every layer's at once, once per step."""
+        self.shares(shares, layer)
+        assert self._keep is not None
+        return self._keep[:, layer.layer_idx].to(layer.keys[0].device)
 
     def shares(self, shares: Any, layer: CompressedLayer) -> torch.Tensor:
         """(b, L, h) each sequence's byte share per head now (all 1 when its budget pays for the
-        full cache); the plan is decided at the first call, at the longest sequence's budget
-        (memoised per step)."""
+        full cache); the plan is decided at the first call, at the longest sequence's budget.
+        Memoised per step, with the tokens each head keeps (`keep`)."""
         seen, budget = layer.seen, shares.budget
         if self._shares is not None and self._shares[0] == seen:
             return self._shares[1]
@@ -388,7 +386,19 @@ class Planner:
             for n, f in zip(rooms.T, fractions, strict=True)
         ]
         self._shares = (seen, torch.stack([x.double() for x in per_sequence]))
+        self._keep = tokens_kept(self._shares[1], rooms.T, self.costs(like), self.stage.min_tokens)
         return self._shares[1]
+
+    def costs(self, like: CompressedLayer) -> Cost:
+        """What a token costs each head under the plan: a `Cost` whose fields are (L, h) float64
+        tensors (`tokens_at_fraction` reads them elementwise); `like` lends the token's bytes."""
+        if self._costs is None:
+            assert self.plan is not None
+            full = like.token_bytes(explicit_slots=False)
+            slot, d = like.token_bytes() - full, like.keys[0].shape[-1]
+            per_head = [[cost(Storage.from_text(text), d, full, slot) for text in row] for row in self.plan.storages]
+            self._costs = Cost.table(per_head)
+        return self._costs
 
     def encode(self, policy: Any, layer: CompressedLayer) -> None:
         """The policy's `encode` under the plan: each head by its own storage and residual window."""

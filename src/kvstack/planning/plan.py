@@ -14,10 +14,10 @@ from pathlib import Path
 
 import torch
 
-from kvstack.cache.budget import Cost, size_text, tokens_to_keep
+from kvstack.cache.budget import Cost, size_text, tokens_at_fraction, tokens_to_keep
 from kvstack.errors import UserError
 from kvstack.planning.options import Storage, cost, held_bytes
-from kvstack.planning.solve import share_budget, solve
+from kvstack.planning.solve import SHARE_RANGE, share_budget, solve
 
 
 @dataclass
@@ -217,3 +217,15 @@ def keep_tokens(share: float, n: int, cost: Cost, least: int) -> int:
     """Tokens a head holding n keeps with a byte share (as the cache counts them: `tokens_to_keep`)."""
     kept = int(tokens_to_keep(share_budget(share), torch.tensor([n]), cost)[0])
     return max(kept, min(least, n))
+
+
+def tokens_kept(fractions: torch.Tensor, rooms: torch.Tensor, costs: Cost, least: int) -> torch.Tensor:
+    """`keep_tokens` for every head at once: (b, L, h) tokens kept by heads with byte shares
+    `fractions` (b, L, h) holding `rooms` (b, L) tokens, each at its own cost (`costs`: a
+    `Cost.table` with fields (L, h)); a layer whose every head may hold all it has keeps everything
+    (as `Plan.at`). What the cache asks at every decoding step, so one vectorised call."""
+    n = rooms.unsqueeze(-1).expand_as(fractions)
+    share = fractions.clamp(min=SHARE_RANGE[0], max=SHARE_RANGE[1])
+    kept = torch.maximum(tokens_at_fraction(share, n, costs), n.clamp(max=least))
+    whole = (fractions.min(-1).values >= 1.0).unsqueeze(-1)  # (b, L, 1)
+    return torch.where(whole, n, kept)

@@ -16,6 +16,7 @@ import torch
 from kvstack.cache.budget import Budget, Cost, tokens_to_keep
 
 SHARES = tuple(2 ** (-k / 4) for k in range(41))  # a head's byte share of its full bytes: 1 down to 1/1024
+SHARE_RANGE = (1e-12, 1.0 - 1e-9)  # a share as a fraction budget: below 1 (see `share_budget`)
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,7 @@ def interpolate(curve: torch.Tensor, fractions: torch.Tensor, at: torch.Tensor) 
 def share_budget(share: float) -> Budget:
     """A head's byte share as a fraction budget, kept below 1 so a head that evicts nothing still
     pays for the slots its layer's evictions make explicit (a 1.0 budget would keep everything)."""
-    return Budget(fraction=min(max(share, 1e-12), 1.0 - 1e-9))
+    return Budget(fraction=min(max(share, SHARE_RANGE[0]), SHARE_RANGE[1]))
 
 
 def option_tokens(n: torch.Tensor, costs: list[Cost], least: int) -> torch.Tensor:

@@ -39,6 +39,13 @@ class Shares:
         self._cost: Cost | None = None  # bytes per token by how it is stored, once tokens exist
         self._budgets: tuple[int, list[Budget]] | None = None  # (seen, each sequence's budget) memo
         self._allocation: tuple[int, torch.Tensor] | None = None  # (seen, (L, b, h) keep) memo
+        self._uniform: tuple[int, dict[int | None, Any]] | None = None  # (seen, window -> `uniform`) memo
+
+    def forget(self) -> None:
+        """Drop the memos of this step (the batch's rows were reordered: `KVCache.reorder_cache`)."""
+        self._budgets = self._allocation = self._uniform = None
+        if self.planner is not None:
+            self.planner.forget()
 
     def keep_allowed(self, layer: CompressedLayer) -> torch.Tensor:
         """(b, h) tokens each head may hold now under the budget (exempt tokens come on top).
@@ -50,7 +57,7 @@ class Shares:
         base, room, n_exempt = self.uniform(layer)
         keep = base.unsqueeze(1).expand(b, h)
         if self.planner is not None:
-            keep = self.planner.keep(self, layer, room)
+            keep = self.planner.keep(self, layer)
         if self.stack.allocators:
             weights = self.allocation_weights()
             if weights is not None:
@@ -67,6 +74,18 @@ class Shares:
         not reached yet."""
         ref = like or layer
         seen = layer.seen if seen is None else seen
+        if like is None:  # every layer of a step with the same window has the same split
+            if self._uniform is None or self._uniform[0] != seen:
+                self._uniform = (seen, {})
+            found = self._uniform[1].get(layer.sliding_window)
+            if found is None:
+                found = self._uniform[1][layer.sliding_window] = self._uniform_of(layer, seen, ref)
+            return found
+        return self._uniform_of(layer, seen, ref)
+
+    def _uniform_of(
+        self, layer: CompressedLayer, seen: int, ref: CompressedLayer
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         room, n_exempt = self.room(layer, seen, ref)
         cost = self.cost(ref)
         budgets = self.budgets_at(seen, ref)
