@@ -178,3 +178,55 @@ def test_a_layer_of_ragged_heads_attends_head_by_head(llama):
     cache, _ = decode(llama, "adakv(keydiff)", 0.25, 4)
     ragged = [layer for layer in cache.layers if len({int(x) for x in layer.counts()[0]}) > 1]
     assert ragged and all(layer.layer_kv() is None for layer in ragged)
+
+
+def test_each_chunk_is_scored_by_the_question_run_after_it(llama):
+    """Query-aware chunked prefill: before each chunk's compression a probe runs the question after
+    what the cache holds and lends its queries (SnapKV scores by them); the cache never stores the
+    probe's tokens, and it holds at most the budget plus one chunk."""
+    g = torch.Generator().manual_seed(3)
+    context, question = torch.randint(3, 97, (1, 90), generator=g), torch.randint(3, 97, (1, 6), generator=g)
+    ids = torch.cat([context, question], dim=1)
+    cache = KVCache(llama, "snapkv(window_size=4)", "16t")
+    seen: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+    compress = cache.policy.compress_layer
+
+    def spy(layer, keep, decoding=False):
+        seen.append((layer.seen, layer.query_slots.clone(), layer.queries.clone()))
+        compress(layer, keep, decoding)
+
+    cache.policy.compress_layer = spy
+    Runner(llama, cache).prefill(ids, torch.ones_like(ids), 16, (question, torch.ones_like(question)))
+    assert cache.layers[0].seen == 96 and cache.seq.prompt_end == 96  # the probes' tokens were never stored
+    first = [(slots, queries) for end, slots, queries in seen if end == 32]  # 16 tokens fit 16t: none sooner
+    assert len(first) == len(cache.layers)
+    for end, slots, _ in seen:  # every chunk wholly before the question: scored by the question after it
+        expected = torch.arange(end + 2, end + 6) if end <= 90 else torch.arange(92, 96)
+        assert slots.tolist() == expected.tolist()
+    # the first compression's probe ran over the first two chunks as they came (nothing was evicted
+    # yet): the queries of a full cache reading them and then the question
+    alone = KVCache(llama, "full", 1.0, query_window=4)
+    both = torch.cat([context[:, :32], question], dim=1)
+    Runner(llama, alone).forward(both, torch.ones_like(both))
+    for layer, (slots, queries) in zip(alone.layers, first, strict=True):
+        assert layer.query_slots.tolist() == slots.tolist()
+        torch.testing.assert_close(queries, layer.queries, atol=1e-5, rtol=1e-5)
+    layer = cache.layers[0]
+    per_token = len(cache.layers) * layer.n_kv_heads * layer.token_bytes()
+    assert cache.peak_nbytes <= (16 + 16) * per_token and cache.nbytes() <= 16 * per_token
+
+
+def test_a_stack_that_reads_no_queries_is_not_probed(llama, monkeypatch):
+    """KeyDiff scores keys alone: chunked prefill with a question runs no probe."""
+
+    def fail(*args):
+        raise AssertionError("probed")
+
+    monkeypatch.setattr(Runner, "probe", fail)
+    ids = torch.randint(3, 97, (1, 64), generator=torch.Generator().manual_seed(4))
+    cache = KVCache(llama, "keydiff", "16t")
+    Runner(llama, cache).prefill(ids, torch.ones_like(ids), 16, (ids[:, -6:], torch.ones(1, 6, dtype=torch.long)))
+    assert cache.layers[0].seen == 64
+    with pytest.raises(AssertionError, match="probed"):
+        snap = KVCache(llama, "snapkv(window_size=4)", "16t")
+        Runner(llama, snap).prefill(ids, torch.ones_like(ids), 16, (ids[:, -6:], torch.ones(1, 6, dtype=torch.long)))

@@ -8,6 +8,8 @@ import kvstack
 from kvstack.api import answer
 from kvstack.bench.tasks.needle import needle_sample
 from kvstack.cache.cache import KVCache
+from kvstack.generate import Runner
+from kvstack.models.prompts import build_prompt
 
 pytestmark = pytest.mark.slow
 
@@ -26,6 +28,26 @@ def test_snapkv_at_a_quarter_of_the_bytes_finds_the_needle_at_4k(smollm2):
     assert s.answer.lower() in snap.answers[0].lower()
     assert snap.kv_ratio <= 0.26  # read off the cache's tensors
     assert snap.kv_bytes < 0.26 * full.kv_bytes
+
+
+def test_chunks_scored_by_the_question_keep_the_needle(smollm2):
+    """Query-aware chunked prefill at 512 tokens per head (13% of a 4k context): each chunk is
+    scored by the question run after it (a probe), and the needle survives; compressed by their
+    own ends, as before the probe, the same chunks lose it. The peak is the budget plus one chunk."""
+    s = needle_sample()
+    args = dict(max_new_tokens=14, answer_prefix=s.answer_prefix, prefill_chunk=512)
+    probed = answer(smollm2, [s.context], [s.question], "snapkv", "512t", **args)
+    assert s.answer.lower() in probed.answers[0].lower()
+    assert probed.peak_kv_bytes <= 2 * probed.kv_bytes  # 512 held + 512 arriving, each at the same bytes
+    prompt = build_prompt(smollm2, s.context, s.question, s.answer_prefix)
+    ids = torch.tensor([prompt.context + prompt.question])
+    with torch.inference_mode():
+        runner = Runner(smollm2.model, KVCache(smollm2.model, "snapkv", "512t"))
+        logits, out = runner.prefill(ids, torch.ones_like(ids), 512), []  # no question: no probe
+        for _ in range(14):
+            out.append(int(logits.argmax(-1)))
+            logits = runner.forward(torch.tensor([[out[-1]]]), torch.ones(1, 1, dtype=torch.long))
+    assert s.answer.lower() not in smollm2.tokenizer.decode(out).lower()
 
 
 def test_full_cache_matches_transformers_on_the_real_model(smollm2):

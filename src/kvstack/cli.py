@@ -106,7 +106,11 @@ def generate(
     answer_prefix: Annotated[str, typer.Option(help="text the answer starts with")] = "",
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
     prefill_chunk: Annotated[
-        int | None, typer.Option(help="prefill in chunks of this many tokens, compressing between them")
+        int | None,
+        typer.Option(
+            help="prefill in chunks of this many tokens, compressing between them (query-aware: "
+            "SnapKV-like scorers score each chunk by the question)"
+        ),
     ] = None,
 ) -> None:
     """Answer a question about a context with a compressed KV cache; report bytes and speed."""

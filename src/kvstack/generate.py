@@ -101,9 +101,19 @@ class Runner:
         """Run one chunk given as token ids per sequence (left-padded to the longest); last logits (b, vocab)."""
         return self.forward(*_left_pad(rows, pad_id))
 
-    def prefill(self, ids: torch.Tensor, mask: torch.Tensor, chunk: int | None = None) -> torch.Tensor:
+    def prefill(
+        self,
+        ids: torch.Tensor,
+        mask: torch.Tensor,
+        chunk: int | None = None,
+        question: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         """Run a prompt (b, n), in chunks of `chunk` tokens when given: the cache compresses after
-        each chunk, so it never holds much more than its budget plus one chunk. Last logits (b, vocab)."""
+        each chunk, so it never holds much more than its budget plus one chunk. Last logits (b, vocab).
+
+        question: the prompt's last tokens (ids, mask (b, m)), when they are a question: a stack that
+        scores by observed queries (SnapKV) then scores each earlier chunk by the question, run
+        after the chunk on a probe that stores nothing (`probe`), not by the chunk's own end."""
         n = ids.shape[1]
         if not chunk or n <= chunk:
             return self.forward(ids, mask)
@@ -111,9 +121,25 @@ class Runner:
         if n - starts[-1] == 1:  # a last chunk of one token would be taken for a decoding step
             starts.pop()
         ends = [*starts[1:], n]
+        probing = question is not None and self.cache.query_window > 0
         for start, end in zip(starts, ends, strict=True):
+            if probing and question is not None and end <= n - question[0].shape[1]:
+                with self.cache.held():
+                    logits = self.forward(ids[:, start:end], mask[:, start:end])
+                    self.probe(*question)
+                continue
             logits = self.forward(ids[:, start:end], mask[:, start:end])
         return logits
+
+    def probe(self, ids: torch.Tensor, mask: torch.Tensor) -> None:
+        """Run `ids` (b, m) after what the cache holds on a probe sharing its tensors, and lend the
+        cache the queries the probe observed (`KVCache.probe_fork`); billed to compression."""
+        started = self.cache.compress_clock.start(self.model.device)
+        probe = Runner(self.model, self.cache.probe_fork(), hooks=[])
+        probe.mask = self.mask
+        probe.forward(ids, mask)
+        self.cache.borrow_queries(probe.cache)
+        self.cache.compress_clock.stop(started)
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, chunk_mask: torch.Tensor, at: torch.Tensor | None = None) -> torch.Tensor:
@@ -216,7 +242,8 @@ def generate_ids(
         runner.prefill(*_left_pad([p.context for p in prompts], pad_id), prefill_chunk)
         logits = _ask(runner, prompts, pad_id)
     else:
-        logits = runner.prefill(*_left_pad([p.context + p.question for p in prompts], pad_id), prefill_chunk)
+        question = _left_pad([p.question for p in prompts], pad_id) if any(p.question for p in prompts) else None
+        logits = runner.prefill(*_left_pad([p.context + p.question for p in prompts], pad_id), prefill_chunk, question)
     prefill_s = now(model.device) - start - runner.cache.compress_clock.seconds
     return _finish(runner, logits, prefill_s, max_new_tokens, eos_ids or set(), query_agnostic)
 

@@ -88,6 +88,7 @@ class KVCache(Cache):
         self.pending_signals: set[int] = set()  # layers whose forward hooks owe a signal (cache/hidden.py)
         self.confidence: torch.Tensor | None = None  # (b,) set by the decoding loop when a method asks
         self.reread_s = 0.0  # seconds of KVzip's re-reading pass over the prompt
+        self.holding = False  # inside `held()`: layers compress only when the block ends
         self.policy = Policy(self, self.stack, self.budget, model_or_config, head_dim)  # decides what is kept
         if "hidden_cosine" in self.needs and hasattr(model_or_config, "config"):
             install(model_or_config)  # hooks that measure the hidden states (SqueezeAttention)
@@ -176,7 +177,8 @@ class KVCache(Cache):
             seen = None if self.windowless_statistics else window
             statistics.record(layer, needs, query, query_slots, padding, seen, scale)
         self.compress_clock.stop(started)
-        self.policy.maintain(layer, decoding=query.shape[2] == 1)
+        if not self.holding:
+            self.policy.maintain(layer, decoding=query.shape[2] == 1)
 
     @property
     def needs(self) -> frozenset[str]:
@@ -209,6 +211,35 @@ class KVCache(Cache):
             if layer.is_initialized:
                 new.policy.maintain(layer, decoding=False)
         return new
+
+    @contextmanager
+    def held(self) -> Iterator[None]:
+        """Inside this block no layer compresses; when it ends, every layer compresses as at the end
+        of a prompt chunk. Between the two a probe may lend the layers other queries to score by
+        (`probe_fork`, `borrow_queries`)."""
+        self.holding = True
+        try:
+            yield
+        finally:
+            self.holding = False
+        for layer in self.layers:
+            if layer.is_initialized:
+                self.policy.maintain(layer, decoding=False)
+
+    def probe_fork(self) -> KVCache:
+        """A full cache over this cache's tokens (tensors shared, not copied) that records the
+        queries this cache's stack reads, from its first new token on: run a question on it, then
+        `borrow_queries` from it, and this cache scores what it holds by that question alone,
+        which it never stores."""
+        probe = KVCache(self._source, "full", 1.0, query_window=self.query_window)
+        probe.seq = self.seq.copy()
+        probe.layers[:] = [layer.copy(probe.seq, frozenset(), 0) for layer in self.layers]  # no queries yet
+        return probe
+
+    def borrow_queries(self, probe: KVCache) -> None:
+        """Take the queries each layer of `probe` observed last (and their slots) as this cache's own."""
+        for mine, theirs in zip(self.layers, probe.layers, strict=True):
+            mine.queries, mine.query_slots = theirs.queries, theirs.query_slots
 
     @contextmanager
     def exempt(self) -> Iterator[None]:

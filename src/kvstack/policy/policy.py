@@ -129,8 +129,9 @@ class Policy:
         return not all(name in layer.stats for name in passes for layer in held)
 
     def compress_all(self) -> None:
-        """Compress every layer to its budget now (after the prompt, or after a re-reading pass)."""
-        if self.stack.evictor is None or self.budget.is_full or self.waiting:
+        """Compress every layer to its budget now (after the prompt, or after a re-reading pass);
+        not while the cache is `held` (it compresses every layer when the block ends)."""
+        if self.stack.evictor is None or self.budget.is_full or self.waiting or self.cache.holding:
             return
         if self.stack.whole_prompt:
             started = self.clock.start(self.cache.layers[0].keys[0].device)
