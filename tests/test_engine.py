@@ -6,7 +6,7 @@ import torch
 
 from kvstack.cache.attention import few_queries
 from kvstack.cache.cache import KVCache
-from kvstack.generate import Runner
+from kvstack.generate import Prompt, Runner, generate_ids
 from kvstack.methods.base import decode_block
 
 
@@ -230,3 +230,17 @@ def test_a_stack_that_reads_no_queries_is_not_probed(llama, monkeypatch):
     with pytest.raises(AssertionError, match="probed"):
         snap = KVCache(llama, "snapkv(window_size=4)", "16t")
         Runner(llama, snap).prefill(ids, torch.ones_like(ids), 16, (ids[:, -6:], torch.ones(1, 6, dtype=torch.long)))
+
+
+def test_a_batch_with_a_row_without_question_is_not_probed(llama, monkeypatch):
+    """A probe would score that row's chunks by padding: with one such row, chunks compress as before."""
+    probed = []
+    monkeypatch.setattr(Runner, "probe", lambda self, ids, mask: probed.append(ids.shape))
+    context = torch.randint(3, 97, (60,), generator=torch.Generator().manual_seed(5)).tolist()
+    asked = [Prompt(context, [5, 6, 7]), Prompt(context[:50], [8, 9])]
+    run = dict(stack="snapkv(window_size=4)", budget="16t", max_new_tokens=2, prefill_chunk=16)
+    generate_ids(llama, asked, **run)
+    assert probed == [(2, 3)] * 3  # chunks ending at 16, 32, 48: before every row's question
+    probed.clear()
+    generate_ids(llama, [asked[0], Prompt(context[:50], [])], **run)
+    assert probed == []

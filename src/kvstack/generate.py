@@ -242,7 +242,8 @@ def generate_ids(
         runner.prefill(*_left_pad([p.context for p in prompts], pad_id), prefill_chunk)
         logits = _ask(runner, prompts, pad_id)
     else:
-        question = _left_pad([p.question for p in prompts], pad_id) if any(p.question for p in prompts) else None
+        # the question scores each chunk (a probe) only if every row asks one: a row without would be scored by padding
+        question = _left_pad([p.question for p in prompts], pad_id) if all(p.question for p in prompts) else None
         logits = runner.prefill(*_left_pad([p.context + p.question for p in prompts], pad_id), prefill_chunk, question)
     prefill_s = now(model.device) - start - runner.cache.compress_clock.seconds
     return _finish(runner, logits, prefill_s, max_new_tokens, eos_ids or set(), query_agnostic)
