@@ -8,14 +8,14 @@ import math
 import pytest
 import torch
 
-from kvstack.cache.budget import Budget, Cost
+from kvstack.cache.budget import Budget, Cost, tokens_to_keep
 from kvstack.cache.cache import KVCache
 from kvstack.errors import UserError
 from kvstack.generate import Runner
 from kvstack.planning.curves import FRACTIONS, head_errors
 from kvstack.planning.options import Storage, cost, held_bytes
-from kvstack.planning.plan import Plan, decide, keep_tokens, rescale, tokens_kept
-from kvstack.planning.solve import SHARES, interpolate, solve
+from kvstack.planning.plan import Plan, decide, rescale, tokens_kept
+from kvstack.planning.solve import SHARES, interpolate, share_budget, solve
 from kvstack.planning.validate import (
     GRID,
     TIE,
@@ -538,6 +538,11 @@ def test_uniform_one_gives_every_head_the_same_share():
     assert torch.allclose(torch.tensor(plan.shares, dtype=torch.float64), torch.full((2, 2), 0.25, dtype=torch.float64))
     free = decide(curves, torch.tensor(FRACTIONS), ["snapkv"], [Storage()], n, 64, 256, 4, budget, 8, uniform=0.5)
     assert min(map(min, free.shares)) >= 0.125 - 1e-9 and max(map(max, free.shares)) > 0.3
+
+
+def keep_tokens(share: float, n: int, cost: Cost, least: int) -> int:
+    """One head alone: the tokens a byte share pays for at its cost, at least `least`."""
+    return max(int(tokens_to_keep(share_budget(share), torch.tensor([n]), cost)[0]), min(least, n))
 
 
 def test_tokens_kept_per_step_are_each_heads_keep_tokens():

@@ -35,7 +35,7 @@ from kvstack.methods.quantize.base import Quantizer
 from kvstack.methods.registry import method_class, register
 from kvstack.planning import validate as validation
 from kvstack.planning.curves import FRACTIONS
-from kvstack.planning.options import GROUP, Storage, codecs, cost
+from kvstack.planning.options import GROUP, Storage, codecs
 from kvstack.planning.plan import Plan, tokens_kept
 from kvstack.planning.validate import Candidate, candidates, losses, nearest, ranking
 from kvstack.stack import Stack
@@ -386,19 +386,10 @@ class Planner:
             for n, f in zip(rooms.T, fractions, strict=True)
         ]
         self._shares = (seen, torch.stack([x.double() for x in per_sequence]))
-        self._keep = tokens_kept(self._shares[1], rooms.T, self.costs(like), self.stage.min_tokens)
+        if self._costs is None:  # the plan's storages are fixed once decided
+            self._costs = self.plan.costs()
+        self._keep = tokens_kept(self._shares[1], rooms.T, self._costs, self.stage.min_tokens)
         return self._shares[1]
-
-    def costs(self, like: CompressedLayer) -> Cost:
-        """What a token costs each head under the plan: a `Cost` whose fields are (L, h) float64
-        tensors (`tokens_at_fraction` reads them elementwise); `like` lends the token's bytes."""
-        if self._costs is None:
-            assert self.plan is not None
-            full = like.token_bytes(explicit_slots=False)
-            slot, d = like.token_bytes() - full, like.keys[0].shape[-1]
-            per_head = [[cost(Storage.from_text(text), d, full, slot) for text in row] for row in self.plan.storages]
-            self._costs = Cost.table(per_head)
-        return self._costs
 
     def encode(self, policy: Any, layer: CompressedLayer) -> None:
         """The policy's `encode` under the plan: each head by its own storage and residual window."""

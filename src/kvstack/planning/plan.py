@@ -14,10 +14,10 @@ from pathlib import Path
 
 import torch
 
-from kvstack.cache.budget import Cost, size_text, tokens_at_fraction, tokens_to_keep
+from kvstack.cache.budget import Cost, size_text, tokens_at_fraction
 from kvstack.errors import UserError
 from kvstack.planning.options import Storage, cost, held_bytes
-from kvstack.planning.solve import SHARE_RANGE, share_budget, solve
+from kvstack.planning.solve import SHARE_RANGE, solve
 
 
 @dataclass
@@ -61,6 +61,15 @@ class Plan:
     @property
     def total_bytes(self) -> float:
         return float(sum(sum(row) for row in self.bytes))
+
+    def costs(self) -> Cost:
+        """What a token costs each head under its storage: a `Cost.table` with fields (L, h)."""
+        return Cost.table(
+            [
+                [cost(Storage.from_text(t), self.head_dim, self.token_bytes, self.slot) for t in row]
+                for row in self.storages
+            ]
+        )
 
     def storage(self, layer: int, head: int) -> Storage:
         return Storage.from_text(self.storages[layer][head])
@@ -110,14 +119,10 @@ class Plan:
             plain = [["16"] * heads for _ in n]
             return replace(self, length=int(n.max()), storages=plain, tokens=tokens, bytes=held, held=n.tolist())
         shares = self.shares_now(n, budget_bytes)
+        kept_all = tokens_kept(shares[None], n[None], self.costs(), self.least)[0].tolist()  # as the cache keeps
         tokens, held = [], []
-        for i, row in enumerate(self.storages):
+        for i, (row, kept) in enumerate(zip(self.storages, kept_all, strict=True)):
             storages = [Storage.from_text(text) for text in row]
-            costs = [cost(st, self.head_dim, self.token_bytes, self.slot) for st in storages]
-            if float(shares[i].min()) >= 1.0:  # a layer whose every head may hold all it has is left whole
-                kept = [int(n[i])] * heads
-            else:
-                kept = [keep_tokens(float(shares[i, h]), int(n[i]), c, self.least) for h, c in enumerate(costs)]
             slot = self.slot if any(k < int(n[i]) for k in kept) else 0  # a layer keeping everything has no slots
             tokens.append(kept)
             held.append(
@@ -213,14 +218,8 @@ def floor_shares(
     return floor
 
 
-def keep_tokens(share: float, n: int, cost: Cost, least: int) -> int:
-    """Tokens a head holding n keeps with a byte share (as the cache counts them: `tokens_to_keep`)."""
-    kept = int(tokens_to_keep(share_budget(share), torch.tensor([n]), cost)[0])
-    return max(kept, min(least, n))
-
-
 def tokens_kept(fractions: torch.Tensor, rooms: torch.Tensor, costs: Cost, least: int) -> torch.Tensor:
-    """`keep_tokens` for every head at once: (b, L, h) tokens kept by heads with byte shares
+    """Tokens every head keeps at once: (b, L, h) tokens kept by heads with byte shares
     `fractions` (b, L, h) holding `rooms` (b, L) tokens, each at its own cost (`costs`: a
     `Cost.table` with fields (L, h)); a layer whose every head may hold all it has keeps everything
     (as `Plan.at`). What the cache asks at every decoding step, so one vectorised call."""
