@@ -47,7 +47,18 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "loops",
         ("kvstack.generate", "kvstack.planning", "kvstack.models", "kvstack.models.loading", "kvstack.models.prompts"),
     ),
-    ("entry points", ("kvstack", "kvstack.api", "kvstack.cli", "kvstack.bench")),
+    (
+        "entry points",
+        (
+            "kvstack",
+            "kvstack.api",
+            "kvstack.cli",
+            "kvstack.cli_cache",
+            "kvstack.terminal",
+            "kvstack.bench",
+            "kvstack.reuse",
+        ),
+    ),
 ]
 
 

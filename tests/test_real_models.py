@@ -217,3 +217,20 @@ def test_auto_plans_bytes_the_real_cache_then_holds(name):
     sliding = [i for i, t in enumerate(getattr(lm.model.config, "layer_types", None) or []) if t == "sliding_attention"]
     if name.startswith("gemma"):
         assert sliding and all(cache.plan.held[i] == 511 for i in sliding)
+
+
+@pytest.mark.parametrize(
+    "spec, budget",
+    [("kvzip", 0.125), ("keydiff+adaquant(residual=32)", 0.125), ("chelsea", 0.25), ("minicache", 1.0)],
+)
+def test_a_saved_cache_answers_like_the_one_in_memory(smollm2, spec, budget, tmp_path):
+    s = needle_sample(words=1400)
+    cache = kvstack.compress(smollm2, s.context, spec, budget)
+    cache.save(tmp_path / "c.kvc", last_logits=cache.last_logits)
+    loaded = kvstack.load_cache(smollm2, tmp_path / "c.kvc")
+    assert loaded.nbytes() == cache.nbytes() < cache.full_nbytes()
+    kept = kvstack.answer_cached(smollm2, cache, [s.question], 16, s.answer_prefix)
+    again = kvstack.answer_cached(smollm2, loaded, [s.question], 16, s.answer_prefix)
+    assert again.new_tokens == kept.new_tokens
+    assert (again.kv_bytes, again.kv_bytes_end) == (kept.kv_bytes, kept.kv_bytes_end)
+    assert again.compress_s < 0.05 * max(kept.compress_s, cache.compress_clock.seconds, 1e-3) + 0.5

@@ -248,3 +248,33 @@ def test_storage_stages_without_eviction_run_once_at_budget_one():
     runs = [(stack.label, str(budget)) for stack, budget in sweep.configs()]
     assert runs[1:4] == [("xkv", "1"), ("pca(r=8)", "1"), ("kivi", "1")]
     assert [b for s, b in runs if s.startswith("snapkv+xkv")] == ["0.5", "0.25"]
+
+
+def test_the_reuse_task_joins_documents_cached_once_per_config(lm, tmp_path, monkeypatch):
+    """Every join mode answers every question of every config; each document is compressed once
+    per config and sample, whatever the number of questions and joins asking it."""
+    import kvstack.bench.runner as runner
+
+    calls = []
+    compress = runner.compress_ids
+    monkeypatch.setattr(runner, "compress_ids", lambda *a, **k: calls.append(1) or compress(*a, **k))
+    modes = ("agnostic", "kvlink", "concat", "kvlink+link", "relay")
+    sweep = Sweep("tiny", ("snapkv(window_size=4, every=4)",), ("0.5",), ("reuse",), (600,), modes, samples=1)
+    store = Store(tmp_path / "results.sqlite")
+    assert run_sweep(lm, sweep, store) == 2 * 2 * len(modes)  # (full, snapkv) x 2 questions x modes
+    assert len(calls) == 2 * 4  # 2 configs x 4 documents, for 2 questions x 4 joins
+    rows = list(store.rows())
+    assert {r["mode"] for r in rows} == set(modes)
+    full = {r["mode"]: r for r in rows if r["method"] == "full" and r["question"] == 0}
+    # the same tokens held either way (the documents tokenized apart may differ by a token at a seam)
+    tokens = {mode: r["kv_bytes_full"] for mode, r in full.items()}
+    assert max(tokens.values()) - min(tokens.values()) <= 0.02 * tokens["agnostic"]
+    ratio = {(r["mode"], r["question"]): r["kv_ratio"] for r in rows if r["method"] != "full"}
+    for (mode, q), value in ratio.items():  # each document held at its budget; recomputed tokens kept whole
+        recomputed = {"kvlink+link": 3 * 8, "relay": 3 * 16}.get(mode, 0) / (600 - 96)
+        assert value == pytest.approx(ratio[("agnostic", q)], abs=0.02 + recomputed)
+
+
+def test_join_modes_need_the_reuse_task():
+    with pytest.raises(UserError, match="--tasks reuse"):
+        Sweep("tiny", ("knorm",), ("0.5",), ("niah_single",), (400,), ("kvlink",))

@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import json
-import os
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from kvstack.cli_cache import cache_app
 from kvstack.errors import UserError
+from kvstack.terminal import DEFAULT, err, out, parse_method, print_answer
+from kvstack.terminal import fail as _fail
+from kvstack.terminal import read_context as _read_context
 
 if TYPE_CHECKING:
     from kvstack.bench.compare import Comparison
@@ -26,21 +27,13 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     help="Stackable KV-cache compression for Hugging Face causal LMs, memory really freed.",
 )
-# piped into a file or a log, tables keep their rows on one line (rich would wrap them at 80 columns)
-out = Console(width=None if sys.stdout.isatty() or "COLUMNS" in os.environ else 160)
-DEFAULT = "smollm2-135m"
+app.add_typer(cache_app, name="cache")
 AGNOSTIC_HELP = "compress the context before the question is seen (reusable context)"
-err = Console(stderr=True)
 # the benchmark's tasks (kvstack.bench.runner.ALL_TASKS; spelled out so `--help` imports no torch)
 TASK_NAMES = (
     "niah_single, niah_single_prose, niah_single_essays, niah_multikey, niah_multivalue, niah_multiquery, "
-    "vt, cwe, qa, fidelity"
+    "vt, cwe, qa, reuse, fidelity"
 )
-
-
-def _fail(message: str) -> None:
-    err.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
-    raise typer.Exit(2)
 
 
 @app.command()
@@ -115,15 +108,9 @@ def generate(
 ) -> None:
     """Answer a question about a context with a compressed KV cache; report bytes and speed."""
     try:
-        from kvstack.cache.budget import Budget
-        from kvstack.stack import Stack
-
-        stack, parsed_budget = Stack.parse(method), Budget.parse(budget)  # fail before loading anything
-        stack.check_budget(parsed_budget)
+        stack, parsed_budget = parse_method(method, budget, prefill_chunk)  # fail before loading anything
         if max_new_tokens < 1:
             raise UserError("--max-new-tokens must be at least 1")
-        if prefill_chunk is not None and prefill_chunk < 2:
-            raise UserError(f"--prefill-chunk {prefill_chunk}: give at least 2 tokens (e.g. 512)")
         context = _read_context(context_file)
         from kvstack.api import answer
         from kvstack.models import load
@@ -153,19 +140,14 @@ def generate(
         "model": model,
         **row,
     }
-    payload.pop("new_tokens")
-    if as_json:
-        sys.stdout.write(json.dumps(payload) + "\n")
-        return
-    out.print(f"[bold]{payload['answer']}[/]")
-    out.print(
+    summary = (
         f"kv cache {payload['kv_bytes'] / 2**20:.2f} MiB of {payload['kv_bytes_full'] / 2**20:.2f} MiB full "
         f"(ratio {payload['kv_ratio']:.3f}, peak {payload['peak_kv_bytes'] / 2**20:.2f} MiB); "
         f"context {payload['context_tokens']} tokens; prefill "
         f"{payload['prefill_s']:.2f}s, compress {payload['compress_s']:.3f}s, decode "
         f"{payload['decode_tokens_per_s']:.1f} tok/s",
-        highlight=False,
     )
+    print_answer(payload, as_json, summary)
 
 
 @app.command()
@@ -276,7 +258,13 @@ def bench(
         Path | None, typer.Option(help="your own JSONL: {context, question, answer, answer_prefix?, max_new_tokens?}")
     ] = None,
     lengths: Annotated[str, typer.Option(help="comma-separated context lengths: 2k, 4k, 3000")] = "2k",
-    modes: Annotated[str, typer.Option(help="agnostic (context compressed before the question), aware")] = "agnostic",
+    modes: Annotated[
+        str,
+        typer.Option(
+            help="agnostic (context compressed before the question), aware; for --tasks reuse also kvlink, "
+            "concat, kvlink+link, relay (documents cached apart, then joined)"
+        ),
+    ] = "agnostic",
     samples: Annotated[int, typer.Option(help="samples per task and length (same seeds for every method)")] = 20,
     seed: Annotated[int, typer.Option(help="seed of the samples")] = 0,
     rivals: Annotated[
@@ -604,18 +592,6 @@ def _score_table(title: str, points: list[Point], task: str) -> Table:
         if any(v is not None for v in cells):
             table.add_row(method, *["-" if v is None else f"{v:.2f}" for v in cells])
     return table
-
-
-def _read_context(path: Path) -> str:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise UserError(f"context file {path} does not exist") from None
-    except (IsADirectoryError, PermissionError, UnicodeDecodeError) as e:
-        raise UserError(f"cannot read context file {path}: {e.__class__.__name__}") from None
-    if not text.strip():
-        raise UserError(f"context file {path} is empty")
-    return text
 
 
 def main() -> None:

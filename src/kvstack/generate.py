@@ -61,7 +61,7 @@ class Result:
         return out
 
 
-def _left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(ids, mask), both (b, max_len), rows right-aligned."""
     width = max(len(r) for r in rows)
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
@@ -99,7 +99,7 @@ class Runner:
 
     def forward_rows(self, rows: list[list[int]], pad_id: int = 0) -> torch.Tensor:
         """Run one chunk given as token ids per sequence (left-padded to the longest); last logits (b, vocab)."""
-        return self.forward(*_left_pad(rows, pad_id))
+        return self.forward(*left_pad(rows, pad_id))
 
     def prefill(
         self,
@@ -239,14 +239,72 @@ def generate_ids(
     runner = Runner(model, KVCache(model, stack, budget))
     start = now(model.device)
     if query_agnostic:
-        runner.prefill(*_left_pad([p.context for p in prompts], pad_id), prefill_chunk)
+        runner.prefill(*left_pad([p.context for p in prompts], pad_id), prefill_chunk)
         logits = _ask(runner, prompts, pad_id)
     else:
         # the question scores each chunk (a probe) only if every row asks one: a row without would be scored by padding
-        question = _left_pad([p.question for p in prompts], pad_id) if all(p.question for p in prompts) else None
-        logits = runner.prefill(*_left_pad([p.context + p.question for p in prompts], pad_id), prefill_chunk, question)
+        question = left_pad([p.question for p in prompts], pad_id) if all(p.question for p in prompts) else None
+        logits = runner.prefill(*left_pad([p.context + p.question for p in prompts], pad_id), prefill_chunk, question)
     prefill_s = now(model.device) - start - runner.cache.compress_clock.seconds
     return _finish(runner, logits, prefill_s, max_new_tokens, eos_ids or set(), query_agnostic)
+
+
+def compress_ids(
+    model: Any,
+    ids: list[int],
+    stack: Stack | str = "full",
+    budget: Budget | str | float = 1.0,
+    prefill_chunk: int | None = None,
+) -> KVCache:
+    """A cache holding one sequence `ids`, compressed before any question (query-agnostic), with the
+    model's last logits kept (`last_logits`): ready to save, join or answer from (`generate_from`)."""
+    stack = stack if isinstance(stack, Stack) else Stack.parse(stack)
+    budget = Budget.parse(budget)
+    check_lengths(model, [Prompt(ids, [])], 1)
+    check_config([Prompt(ids, [])], stack, budget)
+    runner = Runner(model, KVCache(model, stack, budget))
+    runner.prefill(*left_pad([ids], 0), prefill_chunk)
+    runner.cache.last_logits = runner.last_logits
+    return runner.cache
+
+
+def resume(model: Any, cache: KVCache, last_logits: torch.Tensor | None = None) -> Runner:
+    """A runner that goes on from `cache` as it stands (one loaded from a file): the sequence mask
+    is rebuilt from the cache's padding (b, slots), so new tokens take the positions after it."""
+    runner = Runner(model, cache)
+    first = cache.layers[0]
+    padding = cache.seq.padding
+    runner.mask = (padding.long() if padding is not None else torch.ones(first.batch, first.seen, dtype=torch.long)).to(
+        model.device
+    )
+    runner.last_logits = last_logits if last_logits is not None else cache.last_logits
+    return runner
+
+
+def generate_from(
+    model: Any,
+    cache: KVCache,
+    questions: list[list[int]],
+    last_logits: torch.Tensor | None = None,
+    max_new_tokens: int = 32,
+    eos_ids: set[int] | None = None,
+    pad_id: int = 0,
+) -> tuple[list[list[int]], dict[str, Any]]:
+    """Greedy generation after a compressed context already in `cache` (query-agnostic: each
+    question, one per row, is appended uncompressed, as `generate_ids(..., query_agnostic=True)`
+    does after compressing). `prefill_s` is the question's forward pass; the cache is changed."""
+    if len(questions) != cache.layers[0].batch:
+        raise UserError(
+            f"{len(questions)} questions for a cache of {cache.layers[0].batch} sequences: give one per row"
+        )
+    runner = resume(model, cache, last_logits)
+    if runner.last_logits is None and not all(questions):
+        raise UserError("this cache was saved without the context's last logits: ask a question")
+    start = now(model.device)
+    compressing = cache.compress_clock.seconds
+    logits = _ask(runner, [Prompt([], q) for q in questions], pad_id)
+    prefill_s = now(model.device) - start - (cache.compress_clock.seconds - compressing)
+    return _finish(runner, logits, prefill_s, max_new_tokens, eos_ids or set(), query_agnostic=True)
 
 
 def generate_forks(
@@ -269,7 +327,7 @@ def generate_forks(
     check_lengths(model, prompts, max_new_tokens)
     source = _observing_runner(model, stacks)
     start = now(model.device)
-    source.forward(*_left_pad([p.context for p in prompts], pad_id))
+    source.forward(*left_pad([p.context for p in prompts], pad_id))
     prefill_s = now(model.device) - start - source.cache.compress_clock.seconds
     for stack, budget in stacks:
         try:
@@ -350,7 +408,7 @@ def _ask(runner: Runner, prompts: list[Prompt], pad_id: int) -> torch.Tensor | N
     if not any(p.question for p in prompts):
         return before
     with runner.cache.exempt():
-        logits = runner.forward(*_left_pad([p.question for p in prompts], pad_id))
+        logits = runner.forward(*left_pad([p.question for p in prompts], pad_id))
     empty = torch.tensor([not p.question for p in prompts], device=logits.device)
     if bool(empty.any()) and before is not None:  # a row without a question continues its context
         logits = torch.where(empty[:, None], before, logits)

@@ -21,6 +21,7 @@ from kvstack.bench.score import digit_partial, string_match_all
 from kvstack.bench.store import Cell, Row, Store
 from kvstack.bench.tasks.custom import OWN_LENGTH, load_task_file
 from kvstack.bench.tasks.needle import python_docs_words
+from kvstack.bench.tasks.reuse import reuse
 from kvstack.bench.tasks.ruler import (
     CountTokens,
     Question,
@@ -32,17 +33,27 @@ from kvstack.bench.tasks.ruler import (
 )
 from kvstack.cache.budget import Budget
 from kvstack.errors import UserError, unknown_name
-from kvstack.generate import fidelity_forks, generate_forks, generate_ids
+from kvstack.generate import compress_ids, fidelity_forks, generate_forks, generate_from, generate_ids
 from kvstack.models.loading import LoadedModel
 from kvstack.models.prompts import build_prompt, eos_ids
+from kvstack.reuse.kvlink import join, segments
 from kvstack.stack import Stack
+from kvstack.timing import now
 
 if TYPE_CHECKING:
     from kvstack.bench.rivals.kvpress_rival import KvpressRival
+    from kvstack.cache.cache import KVCache
 
 RIVALS = ("kvpress",)
 PROMPT_ROOM = 96  # tokens of a target length left for the question, chat template and answer prefix
-MODES = ("agnostic", "aware")
+# documents cached apart and joined per question (the reuse task), by how they are joined
+JOINS: dict[str, dict[str, Any]] = {
+    "kvlink": {"reencode": True},  # KVLink: positions re-encoded
+    "concat": {"reencode": False},  # the caches concatenated as they are
+    "kvlink+link": {"reencode": True, "link": 8},  # and each later document's last 8 tokens recomputed
+    "relay": {"reencode": True, "relay": 16},  # RelayCaching: each later document's first 16 recomputed
+}
+MODES = ("agnostic", "aware", *JOINS)
 
 
 def _prose() -> list[str]:
@@ -74,6 +85,7 @@ TASKS: dict[str, TaskFn] = {
     "vt": variable_tracking,
     "cwe": common_words,
     "qa": _qa,
+    "reuse": lambda i, n, count, seed: reuse(i, n, count, seed, _essays()),
 }
 ALL_TASKS = (*TASKS, "fidelity")
 
@@ -104,6 +116,8 @@ class Sweep:
         for mode in self.modes:
             if mode not in MODES:
                 raise unknown_name("mode", mode, list(MODES))
+        if set(self.modes) & set(JOINS) and "reuse" not in self.tasks:
+            raise UserError(f"modes {', '.join(JOINS)} join documents cached apart: add --tasks reuse")
         if self.samples < 1:
             raise UserError("--samples must be at least 1")
         for rival in self.rivals:
@@ -199,8 +213,9 @@ def plan(lm: LoadedModel, sweep: Sweep) -> list[Work]:
         for length in sweep.lengths:
             for index in range(sweep.samples):
                 sample = TASKS[task](index, length - PROMPT_ROOM, count, sweep.seed)
+                modes = [m for m in sweep.modes if m not in JOINS or sample.documents]
                 for qi, q in enumerate(sample.questions):
-                    work += [Work(sample, qi, q, length, mode) for mode in sweep.modes]
+                    work += [Work(sample, qi, q, length, mode) for mode in modes]
     return work
 
 
@@ -237,6 +252,9 @@ class Share:
         # rival presses that raised (skipped for the rest of the run, retried next run), and kvstack
         # configs the cache refused ("kvzip+kivi at 0.0625": its residual window does not fit)
         self.failed: dict[str, str] = {}
+        # the current sample's documents, each cached alone under each config: every question and
+        # join of the sample reuses them (what a prefix store does across requests)
+        self.documents: dict[tuple[Any, ...], tuple[KVCache, float]] = {}
 
     @property
     def units(self) -> list[Unit]:
@@ -259,6 +277,9 @@ class Share:
         kind, i = unit
         if kind == "fidelity":
             _run_fidelity(self.lm, self.fidelity[i], self.configs, self.store, advance, self.failed)
+            return
+        if self.work[i].mode in JOINS:
+            _run_joined(self.lm, self.work[i], self.configs, self.store, advance, self.failed, self.documents)
             return
         _run_kvstack(self.lm, self.work[i], self.configs, self.store, advance, self.failed)
         if self.rivals:
@@ -303,24 +324,75 @@ def _run_kvstack(
         if _refused(m, stack, budget, refused):
             advance()
             continue
-        answer = lm.tokenizer.decode(ids[0], skip_special_tokens=True).strip()
-        s, p = score(answer, item.question.answers)
-        row = Row(
-            cells[(stack.label, str(budget))],
-            *key,
-            s,
-            answer,
-            item.question.answers,
-            p,
-            m["kv_bytes"],
-            m["kv_bytes_full"],
-            m["kv_ratio"],
-            m["prefill_s"],
-            m["compress_s"],
-            m["decode_tokens_per_s"],
-            _peak_rss_mb(),
-        )
-        advance(store.add(row))
+        advance(store.add(_answer_row(lm, cells[(stack.label, str(budget))], item, ids[0], m)))
+
+
+def _run_joined(
+    lm: LoadedModel,
+    item: Work,
+    configs: list[tuple[Stack, Budget]],
+    store: Store,
+    advance: Advance,
+    refused: dict[str, str],
+    documents: dict[tuple[Any, ...], tuple[KVCache, float]],
+) -> None:
+    """kvstack's configs for one question of the reuse task: the sample's documents cached alone
+    (once per config, kept in `documents` for the sample's other questions and joins), joined as
+    `item.mode` says, then asked. compress_s: the documents' compression; prefill_s: join + question."""
+    cells = {(s.label, str(b)): _cell(lm, s.label, str(b), item.mode, "reuse", item.length) for s, b in configs}
+    key = (item.sample.index, item.question_index)
+    todo = [(s, b) for s, b in configs if key not in store.done(cells[(s.label, str(b))])]
+    advance(steps=len(configs) - len(todo))
+    sample_key = (item.sample.task, item.sample.index, item.length)
+    for stale in [k for k in documents if k[:3] != sample_key]:
+        del documents[stale]
+    tokenize = partial(lm.tokenizer.encode, add_special_tokens=False)
+    docs = item.sample.documents
+    ids = segments(tokenize, build_prompt(lm, docs[0], "?").context, list(docs[1:]))
+    question = build_prompt(lm, "?", item.question.question, item.question.answer_prefix).question
+    eos, pad = eos_ids(lm), lm.tokenizer.pad_token_id if lm.tokenizer.pad_token_id is not None else 0
+    for stack, budget in todo:
+        try:
+            caches = []
+            for d, doc in enumerate(ids):
+                memo = (*sample_key, stack.label, str(budget), d)
+                if memo not in documents:
+                    cache = compress_ids(lm.model, doc, stack, budget)
+                    documents[memo] = (cache, cache.compress_clock.seconds)
+                caches.append(documents[memo])
+            started = now(lm.model.device)
+            joined = join(lm.model, [(d, c) for d, (c, _) in zip(ids, caches, strict=True)], **JOINS[item.mode])
+            join_s = now(lm.model.device) - started
+            out, m = generate_from(lm.model, joined, [question], None, item.question.max_new_tokens, eos, pad)
+        except UserError as err:
+            _refused({"refused": str(err)}, stack, budget, refused)
+            advance()
+            continue
+        m["prefill_s"] += join_s
+        m["compress_s"] += sum(seconds for _, seconds in caches)
+        advance(store.add(_answer_row(lm, cells[(stack.label, str(budget))], item, out[0], m)))
+
+
+def _answer_row(lm: LoadedModel, cell: Cell, item: Work, ids: list[int], m: dict[str, Any]) -> Row:
+    """The scored row of one answer (new token ids) with the measurements of its run."""
+    answer = lm.tokenizer.decode(ids, skip_special_tokens=True).strip()
+    s, p = score(answer, item.question.answers)
+    return Row(
+        cell,
+        item.sample.index,
+        item.question_index,
+        s,
+        answer,
+        item.question.answers,
+        p,
+        m["kv_bytes"],
+        m["kv_bytes_full"],
+        m["kv_ratio"],
+        m["prefill_s"],
+        m["compress_s"],
+        m["decode_tokens_per_s"],
+        _peak_rss_mb(),
+    )
 
 
 def _refused(m: dict[str, Any], stack: Stack, budget: Budget, refused: dict[str, str]) -> bool:

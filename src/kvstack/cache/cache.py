@@ -21,6 +21,7 @@ from kvstack.cache.budget import Budget
 from kvstack.cache.factory import register_cache
 from kvstack.cache.hidden import install
 from kvstack.cache.layer import CompressedLayer, storage_bytes
+from kvstack.cache.saved import save
 from kvstack.cache.sequence import SequenceState
 from kvstack.models.config import text_config
 from kvstack.models.rope import layer_frequencies
@@ -89,6 +90,7 @@ class KVCache(Cache):
         self.confidence: torch.Tensor | None = None  # (b,) set by the decoding loop when a method asks
         self.reread_s = 0.0  # seconds of KVzip's re-reading pass over the prompt
         self.holding = False  # inside `held()`: layers compress only when the block ends
+        self.last_logits: torch.Tensor | None = None  # (b, vocab) after the last token, when loaded from a file
         self.policy = Policy(self, self.stack, self.budget, model_or_config, head_dim)  # decides what is kept
         if "hidden_cosine" in self.needs and hasattr(model_or_config, "config"):
             install(model_or_config)  # hooks that measure the hidden states (SqueezeAttention)
@@ -250,6 +252,11 @@ class KVCache(Cache):
             yield
         finally:
             self.seq.exempt[-1] = (start, self.layers[0].seen)
+
+    def save(self, path: Any, text_sha256: str | None = None, last_logits: torch.Tensor | None = None) -> dict:
+        """Write this cache to one file (`kvstack.cache.saved`; `kvstack.load_cache` reads it back);
+        the file's header (model, stack, budget, tokens, bytes)."""
+        return save(self, path, text_sha256, last_logits)
 
     # ---- measurement -----------------------------------------------------------------------
     def nbytes(self) -> int:

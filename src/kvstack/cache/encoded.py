@@ -40,6 +40,10 @@ class Codec:
 
     bits: int = 16
     token_group: int = 1  # tokens sharing a row of group tensors (1 = everything is per token)
+    # its codes can be decoded, turned to new positions and encoded again on their own (a cache
+    # joined after another: kvstack.cache.join); not so for codes that read other layers' tables
+    # or their tokens' positions
+    turnable: bool = True
 
     def encode(self, x: torch.Tensor, where: Where) -> Encoded:
         raise NotImplementedError
@@ -60,6 +64,11 @@ class Codec:
     def fixed_bytes(self, dim: int) -> int:
         """Bytes per head that do not grow with tokens (a codebook)."""
         return 0
+
+    def same(self, other: Codec) -> bool:
+        """True when tokens coded by `other` may join a part coded by this codec: the same object
+        (a codec with tables), or the same rule for codecs without (`Uniform`)."""
+        return self is other
 
 
 @dataclass(eq=False)
@@ -209,6 +218,14 @@ class Uniform(Codec):
 
     def __repr__(self) -> str:
         return f"Uniform({self.bits}, {self.axis}, {self.group})"
+
+    def same(self, other: Codec) -> bool:
+        # a rule alone: a cache loaded from a file joins its parts with the codecs it makes anew
+        return (
+            self is other
+            or type(other) is type(self) is Uniform
+            and (self.bits, self.axis, self.group) == (other.bits, other.axis, other.group)
+        )
 
     def encode(self, x: torch.Tensor, where: Where) -> Encoded:
         b, n, d = x.shape

@@ -315,7 +315,7 @@ class CompressedLayer:
         same = [
             i
             for i, p in enumerate(self.coded[h])
-            if not p.demoted and p.keys.codec is key_codec and p.values.codec is value_codec
+            if not p.demoted and p.keys.codec.same(key_codec) and p.values.codec.same(value_codec)
         ]
         return same[-1] if same else None
 

@@ -40,6 +40,7 @@ class LoadedModel:
     folder: Path | None = None  # a transformers folder with the same weights (rival toolkits load it)
 
     def __post_init__(self) -> None:
+        self.model.kvstack_name = self.name  # what a saved cache's header names (kvstack.cache.saved)
         # KVzip's reconstruction prompts in this model's tokens (the cache sees ids, never text)
         from kvstack.methods.evict.kvzip import REPEAT, REPEAT_PART
 

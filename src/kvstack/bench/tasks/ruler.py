@@ -80,6 +80,8 @@ class Sample:
     context: str
     questions: tuple[Question, ...]
     depths: tuple[float, ...] = field(default=())
+    # documents that can be cached apart and joined (the reuse task); `context` is them joined by "\n\n"
+    documents: tuple[str, ...] = field(default=())
 
 
 def rng_for(task: str, index: int, seed: int) -> random.Random:

@@ -134,6 +134,7 @@ class TableCodec(Codec):
     index. An eviction gathers the rows, never the tables, so the sharing survives it."""
 
     tables: ClassVar[tuple[str, ...]] = ()
+    turnable = False  # its tables are shared by other layers
 
     def rows(self, enc: Encoded, name: str) -> torch.Tensor:
         """(b, n, ...) the table `name` read at each token's row."""

@@ -90,6 +90,8 @@ class Positioned(Encoded):
 class ShadowKeys(Codec):
     """Keys as rank-r factors of their pre-RoPE form, per chunk of `chunk` tokens (see module docstring)."""
 
+    turnable = False  # encoding reads the tokens' positions, which a stored part no longer keeps
+
     def __init__(self, rank: int, chunk: int, dtype: torch.dtype) -> None:
         self.rank, self.token_group = rank, chunk
         self.itemsize = torch.empty(0, dtype=dtype).element_size()
