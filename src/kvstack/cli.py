@@ -485,7 +485,7 @@ def _compare_tables(out_dir: Path, method: str, within: bool) -> list[Table | st
     against the stack chosen on the other half of the samples, and a note where rows come from
     different machines."""
     from kvstack.bench.compare import compare as comparisons
-    from kvstack.bench.report import tokens_label
+    from kvstack.bench.report import mode_label, tokens_label
     from kvstack.bench.store import read_rows
     from kvstack.errors import unknown_name
 
@@ -508,7 +508,7 @@ def _compare_tables(out_dir: Path, method: str, within: bool) -> list[Table | st
                 continue
             tasks = ", ".join(mine[0].tasks)
             rival = "the stack best on the other half of the samples" if held_out else "the best other stack"
-            title = f"{model}, {tokens_label(length)}, query-{mode}: {method} against {rival}"
+            title = f"{model}, {tokens_label(length)}, {mode_label(mode)}: {method} against {rival}"
             table = Table(title=f"{title}{' within the budget' if within else ''} (mean over {tasks})")
             tables.append(
                 _comparison_table(table, method, mine, "chosen on the other half" if held_out else "best other")
@@ -545,11 +545,11 @@ def _comparison_table(table: Table, method: str, mine: list[Comparison], rival: 
 
 def _report(out_dir: Path) -> Path:
     """Print the score tables of every group, write the HTML report, return its path."""
-    from kvstack.bench.report import MEAN, answer_tasks, load_groups, tokens_label, write_report
+    from kvstack.bench.report import MEAN, answer_tasks, load_groups, mode_label, tokens_label, write_report
 
     groups = load_groups(out_dir)
     for (model, mode, length), points in sorted(groups.items()):
-        where = f"{model}, {tokens_label(length)}, query-{mode}"
+        where = f"{model}, {tokens_label(length)}, {mode_label(mode)}"
         tasks = answer_tasks(points)
         out.print(_score_table(f"{where}: mean score over {', '.join(tasks)}", points, MEAN))
         if "fidelity" not in tasks and any(p.task == "fidelity" for p in points):

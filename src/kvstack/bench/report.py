@@ -129,7 +129,7 @@ def plot_group(group: Group, points: list[Point], path: Path) -> None:
     )
     model, mode, length = group
     best = f" - the {shown} best of {total} methods by mean score" if shown < total else ""
-    fig.suptitle(f"{model} - {tokens_label(length)} - query-{mode}{best}")
+    fig.suptitle(f"{model} - {tokens_label(length)} - {mode_label(mode)}{best}")
     fig.tight_layout()
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
@@ -387,7 +387,7 @@ def write_report(out_dir: Path, groups: dict[Group, list[Point]] | None = None) 
         model, mode, length = group
         n = min(p.n for p in points)
         sections.append(
-            f"<h2>{html.escape(model)} - {tokens_label(length)} - query-{mode} ({n}+ samples per cell)</h2>"
+            f"<h2>{html.escape(model)} - {tokens_label(length)} - {mode_label(mode)} ({n}+ samples per cell)</h2>"
             f'<img src="{png.name}" alt="score vs KV ratio">'
             f"{leaderboard_table(points)}{score_table(points)}{rival_table(points)}{fidelity_table(points)}"
             f"<h3>speed</h3>{speed_table(points)}"
@@ -407,6 +407,11 @@ def write_report(out_dir: Path, groups: dict[Group, list[Point]] | None = None) 
     report = out_dir / "report.html"
     report.write_text(page)
     return report
+
+
+def mode_label(mode: str) -> str:
+    """`query-agnostic`, `query-aware`, or for the reuse task's joins `documents joined (kvlink)`."""
+    return f"query-{mode}" if mode in ("agnostic", "aware") else f"documents joined ({mode})"
 
 
 def tokens_label(length: int) -> str:

@@ -19,6 +19,7 @@ import json
 import os
 import struct
 import sys
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -201,7 +202,7 @@ def _state(cache: KVCache, last_logits: torch.Tensor | None) -> dict[str, Any]:
 def _digest(state_json: str, storages: list[torch.Tensor]) -> str:
     digest = hashlib.sha256(state_json.encode())
     for raw in storages:
-        digest.update(raw.numpy().tobytes())
+        digest.update(memoryview(raw.numpy()))  # the bytes in place, not a copy
     return digest.hexdigest()
 
 
@@ -243,7 +244,7 @@ def save(
     blob = save_tensors({f"s{i}": raw for i, raw in enumerate(writer.storages)}, metadata=metadata)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    partial = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.partial")
     partial.write_bytes(blob)
     os.replace(partial, path)
     return header
