@@ -104,3 +104,19 @@ def test_what_cannot_be_joined_is_refused(llama):
         join(llama, [(DOCS[0], doc), (DOCS[1], cached(llama, DOCS[1], f"razor({SNAP})", 0.5))])
     with pytest.raises(UserError, match="nothing to join"):
         join(llama, [])
+
+
+def test_a_sink_cached_ahead_is_left_out_of_the_join(llama):
+    """Each later document cached after the prompt's first tokens: the join holds the documents
+    only, at the full prefill's slots, and layer 0 (context-free) equals the full prefill's."""
+    from kvstack.reuse.kvlink import sink_prefix
+
+    docs = sink_prefix(DOCS[:2], 4)
+    assert docs[1] == DOCS[0][:4] + DOCS[1]
+    joined = join(llama, [(d, cached(llama, d)) for d in docs], sink=4)
+    full = cached(llama, DOCS[0] + DOCS[1])
+    layer, ref = joined.layers[0], full.layers[0]
+    assert joined.layers[0].seen == len(DOCS[0]) + len(DOCS[1]) and joined.nbytes() == full.nbytes()
+    assert torch.equal(layer.dense_slots(), ref.dense_slots())
+    torch.testing.assert_close(layer.dense(list(layer.keys)), ref.dense(list(ref.keys)), atol=1e-5, rtol=0)
+    torch.testing.assert_close(layer.dense(list(layer.values)), ref.dense(list(ref.values)), atol=1e-6, rtol=0)

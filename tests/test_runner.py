@@ -258,11 +258,12 @@ def test_the_reuse_task_joins_documents_cached_once_per_config(lm, tmp_path, mon
     calls = []
     compress = runner.compress_ids
     monkeypatch.setattr(runner, "compress_ids", lambda *a, **k: calls.append(1) or compress(*a, **k))
-    modes = ("agnostic", "kvlink", "concat", "kvlink+link", "relay")
+    modes = ("agnostic", "kvlink", "concat", "kvlink+link", "kvlink+sink", "relay", "kvcomm")
     sweep = Sweep("tiny", ("snapkv(window_size=4, every=4)",), ("0.5",), ("reuse",), (600,), modes, samples=1)
     store = Store(tmp_path / "results.sqlite")
     assert run_sweep(lm, sweep, store) == 2 * 2 * len(modes)  # (full, snapkv) x 2 questions x modes
-    assert len(calls) == 2 * 4  # 2 configs x 4 documents, for 2 questions x 4 joins
+    # 2 configs x 4 documents, for 2 questions x 5 joins; and the later 3 again with the sink ahead
+    assert len(calls) == 2 * 4 + 2 * 3
     rows = list(store.rows())
     assert {r["mode"] for r in rows} == set(modes)
     full = {r["mode"]: r for r in rows if r["method"] == "full" and r["question"] == 0}

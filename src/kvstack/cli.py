@@ -262,7 +262,7 @@ def bench(
         str,
         typer.Option(
             help="agnostic (context compressed before the question), aware; for --tasks reuse also kvlink, "
-            "concat, kvlink+link, relay (documents cached apart, then joined)"
+            "concat, kvlink+link, kvlink+sink, relay, kvcomm (documents cached apart, then joined)"
         ),
     ] = "agnostic",
     samples: Annotated[int, typer.Option(help="samples per task and length (same seeds for every method)")] = 20,

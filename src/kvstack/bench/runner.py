@@ -36,13 +36,13 @@ from kvstack.errors import UserError, unknown_name
 from kvstack.generate import compress_ids, fidelity_forks, generate_forks, generate_from, generate_ids
 from kvstack.models.loading import LoadedModel
 from kvstack.models.prompts import build_prompt, eos_ids
-from kvstack.reuse.kvlink import join, segments
+from kvstack.reuse import kvcomm
+from kvstack.reuse.kvlink import join, segments, sink_prefix
 from kvstack.stack import Stack
 from kvstack.timing import now
 
 if TYPE_CHECKING:
     from kvstack.bench.rivals.kvpress_rival import KvpressRival
-    from kvstack.cache.cache import KVCache
 
 RIVALS = ("kvpress",)
 PROMPT_ROOM = 96  # tokens of a target length left for the question, chat template and answer prefix
@@ -52,6 +52,8 @@ JOINS: dict[str, dict[str, Any]] = {
     "concat": {"reencode": False},  # the caches concatenated as they are
     "kvlink+link": {"reencode": True, "link": 8},  # and each later document's last 8 tokens recomputed
     "relay": {"reencode": True, "relay": 16},  # RelayCaching: each later document's first 16 recomputed
+    "kvcomm": {},  # KVCOMM: each later document corrected by its deviation after another prefix
+    "kvlink+sink": {"reencode": True, "sink": 4},  # each later document cached after the prompt's first 4 tokens
 }
 MODES = ("agnostic", "aware", *JOINS)
 
@@ -254,7 +256,7 @@ class Share:
         self.failed: dict[str, str] = {}
         # the current sample's documents, each cached alone under each config: every question and
         # join of the sample reuses them (what a prefix store does across requests)
-        self.documents: dict[tuple[Any, ...], tuple[KVCache, float]] = {}
+        self.documents: dict[tuple[Any, ...], Any] = {}  # (cache, seconds) per document; KVCOMM's anchors
 
     @property
     def units(self) -> list[Unit]:
@@ -334,7 +336,7 @@ def _run_joined(
     store: Store,
     advance: Advance,
     refused: dict[str, str],
-    documents: dict[tuple[Any, ...], tuple[KVCache, float]],
+    documents: dict[tuple[Any, ...], Any],
 ) -> None:
     """kvstack's configs for one question of the reuse task: the sample's documents cached alone
     (once per config, kept in `documents` for the sample's other questions and joins), joined as
@@ -349,28 +351,53 @@ def _run_joined(
     tokenize = partial(lm.tokenizer.encode, add_special_tokens=False)
     docs = item.sample.documents
     ids = segments(tokenize, build_prompt(lm, docs[0], "?").context, list(docs[1:]))
+    sink = JOINS[item.mode].get("sink", 0)
+    ids = sink_prefix(ids, sink) if sink else ids
     question = build_prompt(lm, "?", item.question.question, item.question.answer_prefix).question
     eos, pad = eos_ids(lm), lm.tokenizer.pad_token_id if lm.tokenizer.pad_token_id is not None else 0
     for stack, budget in todo:
         try:
             caches = []
             for d, doc in enumerate(ids):
-                memo = (*sample_key, stack.label, str(budget), d)
+                memo = (*sample_key, stack.label, str(budget), d, sink if d else 0)  # the first: no sink ahead
                 if memo not in documents:
                     cache = compress_ids(lm.model, doc, stack, budget)
                     documents[memo] = (cache, cache.compress_clock.seconds)
                 caches.append(documents[memo])
+            pairs = [(d, c) for d, (c, _) in zip(ids, caches, strict=True)]
             started = now(lm.model.device)
-            joined = join(lm.model, [(d, c) for d, (c, _) in zip(ids, caches, strict=True)], **JOINS[item.mode])
-            join_s = now(lm.model.device) - started
+            if item.mode == "kvcomm":
+                anchors, anchor_s = _anchors(lm.model, ids, documents, sample_key)
+                joined = kvcomm.join(lm.model, pairs, anchors)
+            else:
+                anchor_s, joined = 0.0, join(lm.model, pairs, **JOINS[item.mode])
+            join_s = now(lm.model.device) - started - anchor_s
             out, m = generate_from(lm.model, joined, [question], None, item.question.max_new_tokens, eos, pad)
         except UserError as err:
             _refused({"refused": str(err)}, stack, budget, refused)
             advance()
             continue
         m["prefill_s"] += join_s
-        m["compress_s"] += sum(seconds for _, seconds in caches)
+        m["compress_s"] += sum(seconds for _, seconds in caches) + anchor_s
         advance(store.add(_answer_row(lm, cells[(stack.label, str(budget))], item, out[0], m)))
+
+
+def _anchors(
+    model: Any, ids: list[list[int]], documents: dict[tuple[Any, ...], Any], sample_key: tuple[Any, ...]
+) -> tuple[list[Any], float]:
+    """KVCOMM's anchors for a sample's later documents, each observed after another prefix than
+    the one it is asked after (the first segment, then the other later documents in reverse
+    order); computed once per sample (billed to the first join that needs them: 0 s after)."""
+    memo = (*sample_key, "anchors")
+    if memo in documents:
+        return documents[memo], 0.0
+    started = now(model.device)
+    anchors: list[Any] = [None]
+    for i in range(1, len(ids)):
+        prefix = ids[0] + [t for j in reversed(range(1, len(ids))) if j != i for t in ids[j]]
+        anchors.append(kvcomm.anchor(model, prefix, ids[i]))
+    documents[memo] = anchors
+    return anchors, now(model.device) - started
 
 
 def _answer_row(lm: LoadedModel, cell: Cell, item: Work, ids: list[int], m: dict[str, Any]) -> Row:

@@ -12,6 +12,9 @@ encoding again. (2) without training: the last `link` tokens of each document af
 (its separator, "\\n\\n" by the segmenting of `segments`) are recomputed on the joined cache, so
 they see every document before them; the paper trains new embeddings for that role, which this
 training-free toolkit does not. Recomputed tokens are kept whole (exempt from eviction).
+Beyond the paper, training-free: `sink` caches each later document after the prompt's first
+tokens and leaves them out of the join, so the document's own first token is not an attention
+sink (`sink_prefix`; the sink's role is what parallel-encoding methods fix the same way).
 Deviations: none in (1); (2) as said. Documents must be single sequences of one model, one stack.
 """
 
@@ -40,13 +43,16 @@ def join(
     reencode: bool = True,
     link: int = 0,
     relay: int = 0,
+    sink: int = 0,
 ) -> KVCache:
     """One cache holding `documents` (each: its ids and its cache, prefilled alone from position 0,
     compressed as its stack says) in order, ready for a question (`generate_from`).
 
     reencode: turn each document's keys to its place (KVLink's position re-encoding); link: recompute
     each later document's last `link` tokens on the joined cache (training-free link tokens);
-    relay: recompute each later document's first `relay` tokens (RelayCaching, `reuse/relaycaching.py`)."""
+    relay: recompute each later document's first `relay` tokens (RelayCaching, `reuse/relaycaching.py`);
+    sink: each later document was cached after the same `sink` tokens (the prompt's first ones), which
+    took the attention sink's role there: they are left out of the join (`sink_prefix`)."""
     if not documents:
         raise UserError("nothing to join: give at least one document's cache")
     first = documents[0][1]
@@ -63,13 +69,14 @@ def join(
         shares.planner.plan = planner.plan
     for i, (ids, cache) in enumerate(documents):
         n = len(ids)
-        head = min(relay, n) if i else 0  # recomputed first
-        tail = min(link, n - head) if i else 0  # recomputed last
+        skip = min(sink, n) if i else 0  # cached ahead of the document, left out
+        head = min(relay, n - skip) if i else 0  # recomputed first
+        tail = min(link, n - skip - head) if i else 0  # recomputed last
         if head:
-            _recompute(model, joined, ids[:head])
-        start = joined.layers[0].seen - head  # where the document's slot 0 lands
+            _recompute(model, joined, ids[skip : skip + head])
+        start = joined.layers[0].seen - head - skip  # where the document's slot 0 lands
         for target, layer in zip(joined.layers, cache.layers, strict=True):
-            part = slot_range(layer, head, n - tail) if head or tail else layer
+            part = slot_range(layer, skip + head, n - tail) if skip or head or tail else layer
             append_layer(target, part, start, start + n - tail, reencode)
         joined.seq.padding = None
         if tail:
@@ -77,6 +84,15 @@ def join(
     joined.seq.prompt_end = joined.layers[0].seen
     joined.last_logits = documents[-1][1].last_logits
     return joined
+
+
+def sink_prefix(documents: list[list[int]], tokens: int = 4) -> list[list[int]]:
+    """The documents to cache apart with the prompt's first `tokens` ahead of each later one: a
+    document encoded alone from position 0 makes its own first token an attention sink (0.99
+    relative error there against a full prefill, `scripts/reuse_deviation.py`); with the prompt's
+    start ahead, that role falls on tokens the join leaves out (`join(..., sink=tokens)`)."""
+    lead = documents[0][:tokens]
+    return [documents[0], *(lead + doc for doc in documents[1:])]
 
 
 def _recompute(model: Any, cache: KVCache, ids: list[int]) -> None:
