@@ -64,10 +64,15 @@ def test_readers_see_whole_files_while_a_writer_replaces_and_evicts(lm, tmp_path
     stop, seen, errors = threading.Event(), [], []
 
     def write() -> None:
-        for _ in range(15):
-            store.put(cache, ids)  # rewritten in place under the same name
-            store.path(lm.model, SPEC, 0.5, ids).unlink(missing_ok=True)  # and evicted
-        stop.set()
+        try:
+            for _ in range(15):
+                store.put(cache, ids)  # rewritten in place under the same name
+                store.path(lm.model, SPEC, 0.5, ids).unlink(missing_ok=True)  # and evicted
+            store.put(cache, ids)
+        except Exception as e:  # noqa: BLE001 (reported below)
+            errors.append(e)
+        finally:
+            stop.set()  # the readers stop even if the writer failed
 
     def read() -> None:
         reader = PrefixStore(tmp_path, "10MB")
@@ -80,11 +85,15 @@ def test_readers_see_whole_files_while_a_writer_replaces_and_evicts(lm, tmp_path
             if got is not None:
                 seen.append(got.nbytes())
 
-    threads = [threading.Thread(target=write), *(threading.Thread(target=read) for _ in range(2))]
+    threads = [
+        threading.Thread(target=write, daemon=True),
+        *(threading.Thread(target=read, daemon=True) for _ in range(2)),
+    ]
     for t in threads:
         t.start()
     for t in threads:
-        t.join()
+        t.join(timeout=300)  # a hang fails the test instead of the whole run
+    assert not any(t.is_alive() for t in threads)
     assert not errors and seen and set(seen) == {expected}
 
 

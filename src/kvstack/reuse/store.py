@@ -30,6 +30,15 @@ from kvstack.stack import Stack
 SUFFIX = ".kvc"
 
 
+def _same_file(path: Path, seen: os.stat_result) -> bool:
+    """True while `path` is still the file `seen` was taken of (not replaced by a writer since)."""
+    try:
+        now = path.stat()
+    except FileNotFoundError:
+        return False
+    return (now.st_ino, now.st_mtime_ns) == (seen.st_ino, seen.st_mtime_ns)
+
+
 class PrefixStore:
     """Compressed contexts in folder `root`, at most `max_bytes` of files (see module docstring)."""
 
@@ -51,12 +60,10 @@ class PrefixStore:
         """The stored cache of this context, loaded (a fresh copy each call), or None."""
         path = self.path(model, stack, budget, ids)
         try:
+            seen = path.stat()
             cache = load(model, path)[0]
-        except FileNotFoundError:  # evicted between the check and the read
-            self.misses += 1
-            return None
-        except UserError:
-            if path.exists():  # damaged (a disk error, a crash before rename cannot leave one): drop it
+        except (FileNotFoundError, UserError) as e:  # not stored, evicted meanwhile, or damaged
+            if isinstance(e, UserError) and _same_file(path, seen):  # damaged: drop it, unless replaced since
                 path.unlink(missing_ok=True)
             self.misses += 1
             return None
@@ -73,7 +80,7 @@ class PrefixStore:
         path = self.path(cache._source, cache.stack, cache.budget, ids)
         with self._locked():
             cache.save(path, text_sha256(ids), cache.last_logits)
-            if path.stat().st_size > self.max_bytes:
+            if os.stat(path).st_size > self.max_bytes:
                 path.unlink()
                 return None
             self._evict(keep=path)
