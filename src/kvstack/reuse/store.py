@@ -14,6 +14,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import os
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -37,6 +38,13 @@ def _same_file(path: Path, seen: os.stat_result) -> bool:
     except FileNotFoundError:
         return False
     return (now.st_ino, now.st_mtime_ns) == (seen.st_ino, seen.st_mtime_ns)
+
+
+def _stamp(path: Path) -> None:
+    """Mark `path` used now by the process clock in nanoseconds: the filesystem's own stamp comes
+    from a coarse kernel clock (a few ms), so two uses in a row could tie and evict the wrong file."""
+    now = time.time_ns()
+    os.utime(path, ns=(now, now))
 
 
 class PrefixStore:
@@ -68,7 +76,7 @@ class PrefixStore:
             self.misses += 1
             return None
         try:
-            os.utime(path)  # most recently used
+            _stamp(path)  # most recently used
         except FileNotFoundError:
             pass  # evicted by another process after we read it: the copy we hold is complete
         self.hits += 1
@@ -80,6 +88,7 @@ class PrefixStore:
         path = self.path(cache._source, cache.stack, cache.budget, ids)
         with self._locked():
             cache.save(path, text_sha256(ids), cache.last_logits)
+            _stamp(path)
             if os.stat(path).st_size > self.max_bytes:
                 path.unlink()
                 return None
