@@ -54,9 +54,11 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "kvstack.api",
             "kvstack.cli",
             "kvstack.cli_cache",
+            "kvstack.cli_serve",
             "kvstack.terminal",
             "kvstack.bench",
             "kvstack.reuse",
+            "kvstack.serve",
         ),
     ),
 ]

@@ -240,7 +240,7 @@ def generate_ids(
     start = now(model.device)
     if query_agnostic:
         runner.prefill(*left_pad([p.context for p in prompts], pad_id), prefill_chunk)
-        logits = _ask(runner, prompts, pad_id)
+        logits = ask(runner, prompts, pad_id)
     else:
         # the question scores each chunk (a probe) only if every row asks one: a row without would be scored by padding
         question = left_pad([p.question for p in prompts], pad_id) if all(p.question for p in prompts) else None
@@ -302,7 +302,7 @@ def generate_from(
         raise UserError("this cache was saved without the context's last logits: ask a question")
     start = now(model.device)
     compressing = cache.compress_clock.seconds
-    logits = _ask(runner, [Prompt([], q) for q in questions], pad_id)
+    logits = ask(runner, [Prompt([], q) for q in questions], pad_id)
     prefill_s = now(model.device) - start - (cache.compress_clock.seconds - compressing)
     return _finish(runner, logits, prefill_s, max_new_tokens, eos_ids or set(), query_agnostic=True)
 
@@ -335,7 +335,7 @@ def generate_forks(
             runner = source.fork(stack, budget)
             if "reconstruction" in stack.needs:  # the shared re-reading pass is this method's work
                 runner.cache.compress_clock.add(source.cache.reread_s)
-            logits = _ask(runner, prompts, pad_id)
+            logits = ask(runner, prompts, pad_id)
             done = _finish(runner, logits, prefill_s, max_new_tokens, eos_ids or set(), query_agnostic=True)
         except UserError as err:
             yield [], {"refused": str(err)}
@@ -402,7 +402,7 @@ def _observing_runner(model: Any, stacks: list[tuple[Stack, Budget]]) -> Runner:
     return Runner(model, KVCache(model, "full", 1.0, observe=needs, query_window=window), hooks)
 
 
-def _ask(runner: Runner, prompts: list[Prompt], pad_id: int) -> torch.Tensor | None:
+def ask(runner: Runner, prompts: list[Prompt], pad_id: int) -> torch.Tensor | None:
     """Append the questions uncompressed (exempt) after a compressed context; last logits."""
     before = runner.last_logits
     if not any(p.question for p in prompts):
