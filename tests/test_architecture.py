@@ -55,6 +55,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "kvstack.cli",
             "kvstack.cli_cache",
             "kvstack.cli_serve",
+            "kvstack.cli_eval",
+            "kvstack.harness",
             "kvstack.terminal",
             "kvstack.bench",
             "kvstack.reuse",

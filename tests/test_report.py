@@ -149,6 +149,18 @@ def test_fidelity_is_reported_apart_from_the_mean_over_answer_tasks(tmp_path):
     assert MEAN in text and "<td>snapkv</td><td>0.5</td><td>0.900</td><td>0.050</td><td>12.50</td>" in text
 
 
+def test_the_speed_table_reads_the_answer_tasks_timings_beside_fidelitys_none():
+    from kvstack.bench.report import Point, speed_table
+
+    nan = float("nan")
+    points = [
+        Point("snapkv", "0.5", "niah_single", 1.0, 0.5, 8, 1.25, 0.1, 30.0),
+        Point("snapkv", "0.5", "fidelity", 0.9, 0.5, 8, nan, 0.1, nan),
+    ]
+    table = speed_table(points)
+    assert "nan" not in table and "<td>1.25</td>" in table and "<td>30.0</td>" in table
+
+
 def test_a_crowded_plot_draws_the_best_methods_and_their_rivals_only():
     from kvstack.bench.report import Point, kvstack_method, line_styles, plotted
 

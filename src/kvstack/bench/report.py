@@ -325,10 +325,11 @@ def speed_table(points: list[Point]) -> str:
         rows.append(
             f"<tr><td>{html.escape(method)}</td><td>{html.escape(budget)}</td>"
             f"<td>{statistics.fmean(p.kv_ratio for p in ps):.3f}</td>"
-            f"<td>{_median(p.prefill_s for p in ps):.2f}</td>"
-            f"<td>{_median(p.compress_s for p in ps):.3f}</td>"
-            f"<td>{_median(p.decode_tokens_per_s for p in ps):.1f}</td>"
-            f"<td>{max((p.peak_rss_mb for p in ps if not math.isnan(p.peak_rss_mb)), default=math.nan):.0f}</td></tr>"
+            f"<td>{_shown(_median(p.prefill_s for p in ps), '.2f')}</td>"
+            f"<td>{_shown(_median(p.compress_s for p in ps), '.3f')}</td>"
+            f"<td>{_shown(_median(p.decode_tokens_per_s for p in ps), '.1f')}</td>"
+            f"<td>{_shown(max((p.peak_rss_mb for p in ps if not math.isnan(p.peak_rss_mb)), default=math.nan), '.0f')}"
+            "</td></tr>"
         )
     return (
         "<table><tr><th>method</th><th>budget</th><th>KV ratio</th><th>prefill s</th><th>compress s</th>"
@@ -419,14 +420,20 @@ def tokens_label(length: int) -> str:
     return f"{length} tokens" if length else "contexts of their own length"
 
 
+def _shown(value: float, spec: str) -> str:
+    """A number for a table cell, `-` where nothing was measured."""
+    return "-" if math.isnan(value) else format(value, spec)
+
+
 def _mean(values: Iterable[float | None]) -> float:
-    known = [v for v in values if v is not None]
+    known = [v for v in values if v is not None and not math.isnan(v)]
     return statistics.fmean(known) if known else math.nan
 
 
 def _median(values: Iterable[float | None]) -> float:
-    """Median of the measured values (fidelity rows have no decode), NaN when there are none."""
-    known = [v for v in values if v is not None]
+    """Median of the measured values (fidelity rows have no prefill or decode: None, or NaN once
+    aggregated), NaN when there are none."""
+    known = [v for v in values if v is not None and not math.isnan(v)]
     return statistics.median(known) if known else float("nan")
 
 
