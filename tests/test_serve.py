@@ -223,3 +223,29 @@ def test_the_command_serves_and_refuses_bad_options(tiny_folder, tmp_path):
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_a_budget_the_method_refuses_on_this_prompt_is_a_400(lm, tmp_path):
+    with running(lm, tmp_path) as (engine, client, port):
+        body = {
+            "prompt": "short",
+            "max_tokens": 2,
+            "kv_method": "kivi(bits=2, residual=32, group=16)",
+            "kv_budget": 0.125,
+        }
+        got, data, _ = raw(port, "POST", "/v1/completions", body)
+        assert got == 400 and "residual" in data["error"]["message"]
+        assert engine.snapshot()["finished"] == {"refused": 1}  # found by the cache while compressing
+        assert client.completions.create(model=lm.name, prompt="hi", max_tokens=2).choices
+
+
+def test_sampling_is_seeded_and_top_p_keeps_the_head_of_the_distribution(lm, tmp_path):
+    with running(lm, tmp_path) as (_, client, _port):
+
+        def text(**kw):
+            return client.completions.create(model=lm.name, prompt=DOC, max_tokens=12, **kw).choices[0].text
+
+        greedy = text()
+        assert text(temperature=1.5, seed=3) == text(temperature=1.5, seed=3)
+        assert any(text(temperature=1.5, seed=s) != greedy for s in range(3))  # it does sample
+        assert text(temperature=1.5, top_p=1e-6, seed=4) == greedy  # only the most likely token is left

@@ -25,7 +25,8 @@ def run_sweep(lm: LoadedModel, sweep: Sweep, store: Store, console: Console | No
     """Answer every missing (cell, sample, question); returns how many rows were written.
 
     `jobs` > 1 runs units (a sample's question under every config, or a fidelity window) in
-    that many processes, each with its share of the cores, all writing to the same store.
+    that many processes, each with its share of the cores, all writing to the same store
+    (`kvstack.bench.distributed` runs them on a Ray cluster).
     """
     console = console or Console(stderr=True)
     if jobs > 1:
@@ -47,10 +48,15 @@ def run_sweep(lm: LoadedModel, sweep: Sweep, store: Store, console: Console | No
                 share.run(unit, advance)
         share.close()
         failed = share.failed
+    report_failed(console, failed)
+    return written
+
+
+def report_failed(console: Console, failed: dict[str, str]) -> None:
+    """One line per method the cache refused or that failed (no rows were stored for it)."""
     for method, error in failed.items():
         what = "refused" if " at " in method else "failed"
         console.print(f"[yellow]{method} {what}, no rows stored:[/] {error}", highlight=False)
-    return written
 
 
 @dataclass(frozen=True)

@@ -207,6 +207,18 @@ def mean_score(points: list[Point], method: str, budget: str | None, task: str =
     return statistics.fmean(chosen) if chosen else None
 
 
+def cost_of(points: list[Point], method: str, budget: str, tasks: list[str]) -> tuple[str, str, str, str]:
+    """(KV ratio, prefill s, compress s, decode tok/s) of `method` at `budget` over `tasks`, as table
+    cells: the mean ratio measured, medians of the per-task medians, `-` where none was measured."""
+    cell = [p for p in points if p.method == method and p.budget == budget and p.task in tasks]
+    return (
+        _shown(_mean(p.kv_ratio for p in cell), ".3f"),
+        _shown(_median(p.prefill_s for p in cell), ".2f"),
+        _shown(_median(p.compress_s for p in cell), ".2f"),
+        _shown(_median(p.decode_tokens_per_s for p in cell), ".1f"),
+    )
+
+
 def score_table(points: list[Point]) -> str:
     """HTML: per task and over the answer tasks, mean score per method x budget; best per column in bold."""
     budgets = budgets_of(points)

@@ -121,6 +121,8 @@ async def _serve(engine: Engine, body: Extras, kind: str, limit: int, default_to
             text.append(event.text)
     finally:
         job.cancelled.set()  # a client gone before the end frees its cache at the next step
+    if event.finish == "refused":
+        raise Refused(400, str(event.error))
     if event.finish == "error":
         raise Refused(500, f"the request failed: {event.error}", "server_error")
     answer = "".join(text)
@@ -147,8 +149,8 @@ async def _stream(job: Job, events: asyncio.Queue[Event], head: dict[str, Any], 
             yield f"data: {json.dumps({**head, 'object': chunk_kind, 'choices': [_role_delta()]})}\n\n"
         while (event := await events.get()).finish is None:
             yield chunk(event.text, None)
-        if event.finish == "error":
-            yield f"data: {json.dumps({'error': {'message': f'the request failed: {event.error}'}})}\n\n"
+        if event.finish in ("error", "refused"):
+            yield f"data: {json.dumps({'error': {'message': str(event.error), 'type': event.finish}})}\n\n"
         else:
             yield chunk(None, event.finish, usage=event.usage, kv=event.kv)
         yield "data: [DONE]\n\n"

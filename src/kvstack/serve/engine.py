@@ -63,7 +63,8 @@ class Sampling:
 @dataclass
 class Event:
     """What the engine tells a request's consumer: new `text`, then once `finish` ("stop",
-    "length", "cancelled" or "error") with `usage` and the cache's measurements in `kv`."""
+    "length", "cancelled", "refused": the request's own error, or "error": the server's) with
+    `usage` and the cache's measurements in `kv`."""
 
     text: str = ""
     finish: str | None = None
@@ -246,6 +247,9 @@ class Engine:
         """Run one job's work; a failure ends that request with an error, never the engine."""
         try:
             work(job)
+        except UserError as e:  # the request's own (a budget its method refuses on this prompt): a 400
+            job.kv["error"] = str(e)
+            self._finish(job, "refused")
         except Exception as e:  # noqa: BLE001  (reported to the client, the server goes on)
             job.kv["error"] = f"{e.__class__.__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             self._finish(job, "error")

@@ -67,10 +67,9 @@ class ChatRequest(Extras):
         """The conversation in the model's chat template; with `kv_context`, the document and then
         the one user message asking about it (as `kvstack.answer` builds them)."""
         if self.kv_context is not None:
-            asked = [m for m in self.messages if m.role != "system"]
-            if len(asked) != 1 or asked[0].role != "user":
+            if len(self.messages) != 1 or self.messages[0].role != "user":
                 raise UserError("kv_context goes with one user message (the question about the document)")
-            question = question_ids(lm, asked[0].content, self.kv_answer_prefix)
+            question = question_ids(lm, self.messages[0].content, self.kv_answer_prefix)
             return Prompt(build_prompt(lm, self.kv_context, "?").context, question)
         tok = lm.tokenizer
         messages = [m.model_dump() for m in self.messages]
