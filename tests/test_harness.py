@@ -127,3 +127,13 @@ def test_the_command_runs_a_local_task_and_refuses_unknown_ones(tiny_folder, tas
     assert 0.3 < saved["kv_ratio"] <= 0.6
     bad = subprocess.run([*base, "--tasks", "kvstack_choise"], capture_output=True, text=True)
     assert bad.returncode == 2 and "kvstack_choice" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_lm_eval_builds_it_by_name_from_a_model_args_string(tiny_folder, tasks):
+    result = simple_evaluate(
+        model="kvstack",
+        model_args=f"model={tiny_folder},method=knorm,budget=0.5,max_gen_toks=4",
+        tasks=["kvstack_answer"],
+        task_manager=TaskManager(include_path=str(tasks)),
+    )
+    assert "exact_match,none" in result["results"]["kvstack_answer"]
