@@ -102,7 +102,7 @@ def test_a_projection_stacked_with_eviction_and_a_quantizer_holds_the_budget_and
     [
         ("pca(r=0)", "use 1..16"),
         ("pca(r=32)", "use 1..16"),
-        ("pca+dar", "two low-rank stages"),
+        ("pca+dar", "two projections"),
         ("pca+squat", "cannot code pca's coefficients"),
         ("pca+cq", "cannot code pca's coefficients"),
         ("dar(fraction=2)", "fraction must be in (0, 1]"),
@@ -110,7 +110,7 @@ def test_a_projection_stacked_with_eviction_and_a_quantizer_holds_the_budget_and
         ("rotatek(fraction=0)", "fraction must be in (0, 1]"),
         ("shadowkv(r=32, chunk=64)", "use 1..16"),
         ("shadowkv(r=8, chunk=4)", "chunk >= r"),
-        ("rotatek+shadowkv", "two low-rank stages"),
+        ("rotatek+shadowkv", "two projections"),
         ("rotatek+squat", "cannot code rotatek's coefficients"),
         ("shadowkv(residual=-1)", "residual=-1 is out of range: give an integer from 0"),
     ],

@@ -18,7 +18,7 @@ from kvstack.cache.budget import Budget
 from kvstack.errors import UserError, unknown_name
 from kvstack.methods.allocate.base import Allocator
 from kvstack.methods.base import RANGES, SELECTION, Method, Stage
-from kvstack.methods.lowrank.base import Projected, can_follow_projection
+from kvstack.methods.lowrank.base import Projected, Projector, can_follow_projection
 from kvstack.methods.registry import method_class
 
 
@@ -51,9 +51,9 @@ class Stack:
             names = " + ".join(s.name for s in evictors)
             raise UserError(f"'{spec}' stacks two eviction methods ({names}): keep one")
         storing = [p for s in stages for p in s.chain() if p.plays("storer")]
-        projectors = [p for p in storing if p.family == "lowrank"]
-        quantizers = [p for p in storing if p.family != "lowrank"]
-        for kind, found in (("quantizers", quantizers), ("low-rank stages", projectors)):
+        projectors = [p for p in storing if isinstance(p, Projector)]
+        quantizers = [p for p in storing if not isinstance(p, Projector)]
+        for kind, found in (("quantizers", quantizers), ("projections (low-rank or rotation)", projectors)):
             if len(found) > 1:
                 raise UserError(f"'{spec}' stacks two {kind} ({' + '.join(q.name for q in found)}): keep one")
         if projectors and quantizers:
@@ -127,7 +127,7 @@ class Stack:
         a projector whose coefficients a quantizer codes), or None."""
         storing = [part for stage in self.stages for part in stage.chain() if part.plays("storer")]
         if len(storing) == 2:
-            projector = next(p for p in storing if p.family == "lowrank")
+            projector = next(p for p in storing if isinstance(p, Projector))
             return Projected(projector, next(p for p in storing if p is not projector))
         return storing[0] if storing else None
 

@@ -23,6 +23,7 @@ from kvstack.cache.hidden import install
 from kvstack.cache.layer import CompressedLayer, storage_bytes
 from kvstack.cache.saved import save
 from kvstack.cache.sequence import SequenceState
+from kvstack.models.config import head_dim as model_head_dim
 from kvstack.models.config import text_config
 from kvstack.models.rope import layer_frequencies
 from kvstack.policy.policy import Policy
@@ -54,7 +55,7 @@ class KVCache(Cache):
         n_layers = config.num_hidden_layers
         n_heads = config.num_attention_heads
         n_kv = getattr(config, "num_key_value_heads", None) or n_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_heads
+        head_dim = model_head_dim(config)
         scaling = getattr(config, "query_pre_attn_scalar", None) or head_dim
         layer_types = getattr(config, "layer_types", None) or ["full_attention"] * n_layers
         self.seq = SequenceState()

@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kvstack.cache.encoded import Encoded, Uniform
+from kvstack.cache.encoded import Encoded
 
 
 @dataclass(eq=False)
@@ -34,11 +34,11 @@ class Coded:
 
 
 def alike(a: Encoded, b: Encoded) -> bool:
-    """True when two heads' parts can be decoded as one batch: the same uniform rule (it reads no
-    per-head table), the same tensors' shapes."""
-    if not (isinstance(a.codec, Uniform) and isinstance(b.codec, Uniform)) or a.n != b.n or a.dtype != b.dtype:
+    """True when two heads' parts can be decoded as one batch: the same rule that reads no
+    per-head table (`Codec.batchable`), the same tensors' shapes."""
+    if not (a.codec.batchable and a.codec.same(b.codec)) or a.n != b.n or a.dtype != b.dtype:
         return False
-    rule = (a.codec.bits, a.codec.axis, a.codec.group) == (b.codec.bits, b.codec.axis, b.codec.group)
+    rule = a.shared.keys() == b.shared.keys() and all(a.shared[k] is b.shared[k] for k in a.shared)
     shapes = {k: v.shape for k, v in a.tokens.items()}, {k: v.shape for k, v in a.groups.items()}
     return rule and shapes == ({k: v.shape for k, v in b.tokens.items()}, {k: v.shape for k, v in b.groups.items()})
 

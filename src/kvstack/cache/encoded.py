@@ -44,6 +44,9 @@ class Codec:
     # joined after another: kvstack.cache.join); not so for codes that read other layers' tables
     # or their tokens' positions
     turnable: bool = True
+    # rule-only: its tensors read no per-head table, so several heads' parts decode as one batch
+    # (`coded.decode_heads`) when `same` holds
+    batchable: bool = False
 
     def encode(self, x: torch.Tensor, where: Where) -> Encoded:
         raise NotImplementedError
@@ -215,6 +218,8 @@ class Uniform(Codec):
     def __init__(self, bits: int, axis: str = "token", group: int = 32) -> None:
         self.bits, self.axis, self.group = bits, axis, group
         self.token_group = group if axis == "channel" else 1
+
+    batchable = True
 
     def __repr__(self) -> str:
         return f"Uniform({self.bits}, {self.axis}, {self.group})"

@@ -72,6 +72,7 @@ class Then(Codec):
     def __init__(self, outer: Projection, inner: Codec) -> None:
         self.outer, self.inner = outer, inner
         self.bits, self.token_group = inner.bits, inner.token_group
+        self.batchable = inner.batchable  # heads decode as one batch when they share the tables too (`alike`)
 
     def __repr__(self) -> str:
         return f"Then({self.outer!r}, {self.inner!r})"
