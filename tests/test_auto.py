@@ -82,6 +82,18 @@ def test_held_bytes_by_hand():
     assert str(Storage.parse("4", 32)) == "4+r32" and Storage.from_text("16").plain
 
 
+def test_turboquant_storage_by_hand():
+    """t3 at head_dim 64: 24 bytes of codes + a float16 norm, keys and values alike, + the slot; no
+    groups, so every token beyond the residual window is coded."""
+    storage = Storage.from_text("t3+r0")
+    assert storage.rule == "turbo" and str(storage) == "t3+r0" and str(Storage.parse("t4/2", 32)) == "t4/2+r32"
+    assert held_bytes(100, storage, 64, 256, 4) == 100 * (26 + 26 + 4)
+    assert held_bytes(100, Storage.from_text("t3+r32"), 64, 256, 4) == 68 * 56 + 32 * 260
+    assert cost(storage, 64, 256, 4).kept == 56
+    with pytest.raises(UserError, match="t3"):
+        Storage.parse("t16")
+
+
 def test_interpolation_is_linear_in_log_fraction():
     fractions = torch.tensor([1.0, 0.5, 0.25])
     curve = torch.tensor([[0.0, 1.0, 3.0]])
@@ -163,8 +175,9 @@ def _prefill(model, spec, budget, n=600, batch=1):
 
 
 @pytest.mark.parametrize("budget", [0.25, 0.125])
-def test_plan_bytes_equal_the_measured_bytes(tiny, budget):
-    cache, _ = _prefill(tiny, TINY_AUTO, budget)
+@pytest.mark.parametrize("spec", [TINY_AUTO, "auto(tokens=256, samples=1, validate=1, bits=('16', 't3', 't2'))"])
+def test_plan_bytes_equal_the_measured_bytes(tiny, budget, spec):
+    cache, _ = _prefill(tiny, spec, budget)
     assert cache.plan.total_bytes == cache.nbytes()
     assert cache.nbytes() <= budget * cache.full_nbytes()
     assert cache.plan.full_bytes == cache.full_nbytes()

@@ -30,7 +30,7 @@ QUANTIZERS = {
     "cq": "cq(bits=2, channels=2, residual=16, tokens=128)",
     "quantile": "quantile(group=16, residual=16)",
     "hadamard": "hadamard+kivi(group=8, residual=16)",
-    "turboquant": "turboquant(bits=3, qjl=True, residual=16)",
+    "turboquant": "turboquant(bits=3, qjl=True, center=8, residual=16)",
     "kvquant": "kvquant(tokens=64, residual=16)",
 }
 STACKED = {name: f"{SNAP}+{spec}" for name, spec in QUANTIZERS.items()} | {"mikv": f"mikv({SNAP}, group=8, residual=4)"}

@@ -114,6 +114,23 @@ def test_turboquant_keeps_the_norm_and_no_scale_per_group():
     assert codec.decode(enc).shape == x.shape
 
 
+def test_centring_takes_a_shared_offset_out_of_the_codes():
+    """Keys sharing a large offset (as real heads' keys do): with `center`, each run of tokens is
+    coded less its mean (float16, counted per run), so the error falls to that of the spread."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 64, 32, generator=g) + 8 * torch.randn(32, generator=g)
+    plain, centred = TurboCodec(3), TurboCodec(3, center=16)
+    errors = [float((c.decode(c.encode(x, HERE)) - x).pow(2).mean()) for c in (plain, centred)]
+    assert errors[1] < 0.2 * errors[0]
+    enc = centred.encode(x, HERE)
+    assert enc.groups["mean"].shape == (1, 4, 32) and enc.groups["mean"].dtype == torch.float16
+    assert torch.allclose(enc.groups["mean"][0, 1].float(), x[0, 16:32].mean(0), atol=0.01)
+    assert centred.token_bytes(32) == plain.token_bytes(32) + 32 * 2 / (0.75 * 16)
+    survivors = [i for i in range(64) if i not in (3, 20, 21, 50)]
+    kept = enc.take(torch.tensor([survivors]))  # evictions keep each token's run mean: no new rounding
+    assert "count" in kept.groups and torch.equal(kept.decode(), centred.decode(enc)[:, survivors])
+
+
 # ---- QJL ----------------------------------------------------------------------------------------
 @settings(max_examples=20, deadline=None)
 @given(st.integers(0, 2**31 - 1), st.sampled_from([8, 16, 32]))
@@ -206,13 +223,15 @@ def test_bad_input_is_one_line_naming_the_fix(spec, fix):
 # ---- KVQuant ------------------------------------------------------------------------------------
 def nuq_codecs(bits: int, outliers: float, d: int = 16, bound: float = 2.0):
     """Key and value codecs on a hand-made table: every channel's range [-bound, bound], uniform levels."""
+    from kvstack.methods.lowrank.rotatek import AsIs
     from kvstack.methods.quantize.kvquant import NuqCodec
 
     table = torch.zeros(4, max(d, 2**bits))
     table[0, :d], table[1, :d] = -bound, bound
     table[2, : 2**bits] = table[3, : 2**bits] = torch.linspace(-1, 1, 2**bits)
     tables = [[table.half()] * 2]
-    return NuqCodec(bits, outliers, tables, "key"), NuqCodec(bits, outliers, tables, "value")
+    exact = AsIs(torch.float32)
+    return tuple(NuqCodec(bits, outliers, tables, kind, exact, sinks=0) for kind in ("key", "value"))
 
 
 def test_kvquant_keys_are_coded_before_rope_and_rotated_back():
@@ -256,10 +275,22 @@ def test_kvquant_levels_sit_where_the_entries_are():
     assert peaked[2] - peaked[1] < 0.5 * (uniform[2] - uniform[1])
 
 
-def test_kvquant_is_fitted_once_and_counted(llama):
+def test_kvquant_is_fitted_once_and_counted_with_its_sink_exact(llama):
+    """The first token of each sequence is held as it is (float32 here), the rest coded; the bytes
+    are the tensors': per coded token its codes, outlier and position or range, per head a table
+    and the tokens' slots."""
     cache = KVCache(llama, "kvquant(tokens=64, residual=0)", 1.0)
-    Runner(llama, cache).forward(torch.tensor([prompt(40)]), torch.ones(1, 40, dtype=torch.long))
+    ids = torch.tensor([prompt(40)])
+    Runner(llama, cache).forward(ids, torch.ones(1, 40, dtype=torch.long))
     keys, values = cache.policy.shares.codecs
-    per_token = (keys.token_bytes(16) + values.token_bytes(16)) * 40 * 2 * len(cache.layers)
+    coded = (keys.token_bytes(16) + values.token_bytes(16)) * 39 * 2 * len(cache.layers)
+    sinks = 2 * 16 * 4 * 2 * len(cache.layers)  # key and value of one token per head, float32
     tables = 4 * 16 * 2 * 2 * len(cache.layers)  # a (4, 16) float16 table per layer and head
-    assert cache.nbytes() == per_token + tables
+    slots = 40 * 4 * 2 * len(cache.layers)  # two parts per head: each token's slot (int32) is explicit
+    assert cache.nbytes() == coded + sinks + tables + slots
+    full = KVCache(llama, "full", 1.0)
+    Runner(llama, full).forward(ids, torch.ones(1, 40, dtype=torch.long))
+    for layer, reference in zip(cache.layers, full.layers, strict=True):
+        first = layer.coded[0][0]
+        assert first.n == 1 and torch.equal(first.keys.decode(), reference.keys[0][:, :1])
+    assert keys.fixed_bytes(16) == 4 * 16 * 2 + 16 * 4 and values.fixed_bytes(16) == 16 * 4

@@ -35,7 +35,7 @@ from kvstack.methods.quantize.base import Quantizer
 from kvstack.methods.registry import method_class, register
 from kvstack.planning import validate as validation
 from kvstack.planning.curves import FRACTIONS
-from kvstack.planning.options import GROUP, Storage, codecs
+from kvstack.planning.options import Storage, codecs, coded_count
 from kvstack.planning.plan import Plan, tokens_kept
 from kvstack.planning.validate import Candidate, candidates, losses, nearest, ranking
 from kvstack.stack import Stack
@@ -398,7 +398,7 @@ class Planner:
         for h in range(layer.n_kv_heads):
             storage = self.plan.storage(layer.layer_idx, h)
             pair = codecs(storage, layer.keys[h].shape[-1])
-            count = (layer.keys[h].shape[1] - storage.residual) // GROUP * GROUP
+            count = coded_count(layer.keys[h].shape[1], storage)
             if pair is not None and count > 0:
                 layer.encode_oldest(h, count, Quantizer(), pair, None)
         policy.clock.stop(started)

@@ -1,5 +1,7 @@
 """How a planned head stores its kept tokens: plain, or keys and values at given bit widths
-after a full-precision residual window. Pure functions give what each option costs."""
+after a full-precision residual window, on KIVI's layout (uniform levels, scales per group) or
+TurboQuant's (a rotation, Lloyd-Max levels, a norm per token: `t3`, `t4/2`). Pure functions
+give what each option costs."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from kvstack.cache.budget import Cost
 from kvstack.cache.encoded import Codec, Uniform
 from kvstack.cache.packing import check_bits, packed_size
 from kvstack.errors import UserError
+from kvstack.methods.quantize.turboquant import TurboCodec
 
 PLAIN = 16  # bits of a token held in the model's dtype (bf16 / fp16)
 GROUP = 32  # tokens sharing a key scale per channel, as KIVI groups them
@@ -17,27 +20,32 @@ GROUP = 32  # tokens sharing a key scale per channel, as KIVI groups them
 
 @dataclass(frozen=True)
 class Storage:
-    """Keys at `key_bits` per channel, values at `value_bits` per token (16: the model's dtype),
-    the newest `residual` kept tokens in the model's dtype."""
+    """Keys at `key_bits`, values at `value_bits` (16: the model's dtype), the newest `residual`
+    kept tokens in the model's dtype; `rule` "kivi" (keys per channel, values per token) or
+    "turbo" (TurboQuant's codes)."""
 
     key_bits: int = PLAIN
     value_bits: int = PLAIN
     residual: int = 0
+    rule: str = "kivi"
 
     @classmethod
     def parse(cls, bits: str, residual: int = 0) -> Storage:
-        """`16` (plain), `4` (keys and values at 4 bits) or `4/2` (keys 4, values 2)."""
-        parts = str(bits).split("/")
+        """`16` (plain), `4` (keys and values at 4 bits), `4/2` (keys 4, values 2); a leading `t`
+        (`t3`, `t4/2`) for TurboQuant's codes."""
+        text = str(bits)
+        rule = "turbo" if text.startswith("t") else "kivi"
+        parts = text.removeprefix("t").split("/")
         try:
             k, v = (int(parts[0]), int(parts[-1])) if len(parts) <= 2 else (0, 0)
         except ValueError:
             k = v = 0
-        if k == v == PLAIN:
+        if k == v == PLAIN and rule == "kivi":
             return cls()
         if not k or PLAIN in (k, v):
-            raise UserError(f"auto: bits '{bits}' is not understood: write 16 (plain), 4 or 4/2 (keys/values)")
+            raise UserError(f"auto: bits '{bits}' is not understood: write 16 (plain), 4 or 4/2 (keys/values), t3")
         check_bits(k, "auto"), check_bits(v, "auto")
-        return cls(k, v, residual)
+        return cls(k, v, residual, rule)
 
     @property
     def plain(self) -> bool:
@@ -47,11 +55,11 @@ class Storage:
         if self.plain:
             return "16"
         bits = f"{self.key_bits}" if self.key_bits == self.value_bits else f"{self.key_bits}/{self.value_bits}"
-        return f"{bits}+r{self.residual}"
+        return f"{'t' if self.rule == 'turbo' else ''}{bits}+r{self.residual}"
 
     @classmethod
     def from_text(cls, text: str) -> Storage:
-        """The inverse of `str`: `16`, `4/2+r32`."""
+        """The inverse of `str`: `16`, `4/2+r32`, `t3+r0`."""
         bits, _, residual = text.partition("+r")
         return cls.parse(bits, int(residual or 0))
 
@@ -62,8 +70,15 @@ def codecs(storage: Storage, head_dim: int) -> tuple[Codec, Codec] | None:
     coded alike), or None when it is plain."""
     if storage.plain:
         return None
+    if storage.rule == "turbo":
+        return TurboCodec(storage.key_bits), TurboCodec(storage.value_bits)
     group = max(g for g in (32, 16, 8, 4, 2, 1) if head_dim % g == 0)
     return Uniform(storage.key_bits, "channel", GROUP), Uniform(storage.value_bits, "token", group)
+
+
+def group_of(storage: Storage) -> int:
+    """Tokens a head encodes together under `storage` (KIVI's key groups; 1 for per-token codes)."""
+    return GROUP if storage.rule == "kivi" else 1
 
 
 def cost(storage: Storage, head_dim: int, full: int, slot: int) -> Cost:
@@ -73,7 +88,7 @@ def cost(storage: Storage, head_dim: int, full: int, slot: int) -> Cost:
     if pair is None:
         return Cost(full, full + slot)
     kept = sum(c.token_bytes(head_dim) for c in pair) + slot
-    return Cost(full, kept, storage.residual + GROUP - 1, full + slot)
+    return Cost(full, kept, storage.residual + group_of(storage) - 1, full + slot)
 
 
 def coded_count(kept: int, storage: Storage) -> int:
@@ -81,7 +96,8 @@ def coded_count(kept: int, storage: Storage) -> int:
     groups, beyond the residual window (what `KVCache.encode` does)."""
     if storage.plain:
         return 0
-    return max(kept - storage.residual, 0) // GROUP * GROUP
+    group = group_of(storage)
+    return max(kept - storage.residual, 0) // group * group
 
 
 def held_bytes(kept: int, storage: Storage, head_dim: int, full: int, slot: int) -> float:
@@ -92,6 +108,9 @@ def held_bytes(kept: int, storage: Storage, head_dim: int, full: int, slot: int)
     if pair is None or coded == 0:
         return kept * (full + slot)
     keys, values = pair
+    if storage.rule == "turbo":  # nothing shared between tokens: the planned cost is exact
+        per_token = keys.token_bytes(head_dim) + values.token_bytes(head_dim) + slot
+        return coded * per_token + (kept - coded) * (full + slot)
     meta = 2 * 2  # a float16 scale and zero
     key_bytes = packed_size(head_dim, keys.bits) + head_dim * meta / GROUP
     value_bytes = packed_size(head_dim, values.bits) + head_dim // values.group * meta

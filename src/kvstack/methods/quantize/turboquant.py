@@ -72,20 +72,23 @@ def qjl_estimate(signs: torch.Tensor, norm: torch.Tensor, s: torch.Tensor) -> to
 
 
 class TurboCodec(Codec):
-    """A token's norm and its rotated direction coded on `sphere_levels` (+ QJL when `qjl`)."""
+    """A token's norm and its rotated direction coded on `sphere_levels` (+ QJL when `qjl`); with
+    `center` > 0, first less the mean of its run of `center` tokens (float16, one per run)."""
 
     batchable = True
 
-    def __init__(self, bits: int, qjl: bool = False, seed: int = 0) -> None:
-        self.bits, self.qjl, self.seed = bits, qjl, seed
+    def __init__(self, bits: int, qjl: bool = False, seed: int = 0, center: int = 0) -> None:
+        self.bits, self.qjl, self.seed, self.center = bits, qjl, seed, center
         self.mse_bits = bits - 1 if qjl else bits
+        self.token_group = max(center, 1)
 
     def __repr__(self) -> str:
-        return f"TurboCodec({self.bits}{', qjl' if self.qjl else ''})"
+        return f"TurboCodec({self.bits}{', qjl' if self.qjl else ''}{f', center={self.center}' if self.center else ''})"
 
     def same(self, other: Codec) -> bool:
+        rule = (self.bits, self.qjl, self.seed, self.center)
         return self is other or (
-            isinstance(other, TurboCodec) and (self.bits, self.qjl, self.seed) == (other.bits, other.qjl, other.seed)
+            isinstance(other, TurboCodec) and rule == (other.bits, other.qjl, other.seed, other.center)
         )
 
     def _levels(self, d: int, device: torch.device) -> torch.Tensor:
@@ -93,7 +96,15 @@ class TurboCodec(Codec):
 
     def encode(self, x: torch.Tensor, where: Where) -> Encoded:
         b, n, d = x.shape
-        xf = x.float()
+        xf, groups = x.float(), {}
+        if self.center:
+            g = self.center
+            runs = torch.arange(n, device=x.device) // g  # (n,) the run each token is in
+            m = (n + g - 1) // g
+            sums = xf.new_zeros(b, m, d).index_add_(1, runs, xf)
+            counts = torch.bincount(runs, minlength=m).clamp(min=1).to(xf.dtype)
+            groups["mean"] = (sums / counts[:, None]).to(META_DTYPE)
+            xf = xf - groups["mean"].float()[:, runs]
         norm = xf.norm(dim=-1, keepdim=True)
         y = rotate(xf / norm.clamp(min=1e-30), random_signs(d, self.seed))  # (b, n, d), about N(0, 1/d) each
         levels = self._levels(d, x.device)
@@ -103,7 +114,7 @@ class TurboCodec(Codec):
             r = y - levels[codes]
             signs = (r @ qjl_matrix(d, self.seed + 1, x.device).T) >= 0
             tokens |= {"qjl": pack(signs.to(torch.uint8), 1), "residual": r.norm(dim=-1, keepdim=True).to(META_DTYPE)}
-        return Encoded(self, n, d, x.dtype, where, tokens, {}, {})
+        return Encoded(self, n, d, x.dtype, where, tokens, groups, {})
 
     def decode(self, enc: Encoded) -> torch.Tensor:
         return self.decode_as(enc, enc.dtype)
@@ -116,11 +127,15 @@ class TurboCodec(Codec):
             signs = unpack_float(enc.tokens["qjl"], 1, d) * 2 - 1
             s = qjl_matrix(d, self.seed + 1, device)
             y = y + qjl_estimate(signs, enc.tokens["residual"].float(), s)
-        return (unrotate(y, random_signs(d, self.seed)) * enc.tokens["norm"].float()).to(dtype)
+        x = unrotate(y, random_signs(d, self.seed)) * enc.tokens["norm"].float()
+        if self.center:
+            x = x + enc.per_token("mean").float()
+        return x.to(dtype)
 
     def token_bytes(self, dim: int) -> float:
         extra = packed_size(dim, 1) + META_DTYPE.itemsize if self.qjl else 0
-        return packed_size(dim, self.mse_bits) + META_DTYPE.itemsize + extra
+        mean = dim * META_DTYPE.itemsize / (0.75 * self.center) if self.center else 0  # runs planned 3/4 full
+        return packed_size(dim, self.mse_bits) + META_DTYPE.itemsize + extra + mean
 
 
 @register
@@ -135,6 +150,7 @@ class TurboQuant(Quantizer):
     bits: int = 3
     qjl: bool = False
     seed: int = 0
+    center: int = 0
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -142,6 +158,9 @@ class TurboQuant(Quantizer):
             if self.bits < 2:
                 raise ValueError(f"{self.name}: qjl spends one of the bits on the residual: use bits=2 or more")
             check_bits(self.bits - 1, self.name)
+        if self.center < 0:
+            raise ValueError(f"{self.name}: center is the tokens sharing a mean (0: none), got {self.center}")
 
     def codecs(self, table: torch.Tensor | None = None) -> tuple[Codec, Codec]:
-        return TurboCodec(self.bits, self.qjl, self.seed), TurboCodec(self.bits, False, self.seed)
+        keys = TurboCodec(self.bits, self.qjl, self.seed, self.center)
+        return keys, TurboCodec(self.bits, False, self.seed, self.center)
