@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from kvstack.cache.cache import KVCache
 from kvstack.cache.coded import alike, decode_heads
-from kvstack.cache.encoded import Where
+from kvstack.cache.encoded import Turned, Where
 from kvstack.errors import UserError
 from kvstack.generate import Runner
 from kvstack.methods.quantize.rotation import block_size, hadamard, random_signs, rotate, unrotate
@@ -167,13 +167,32 @@ def test_qjl_keys_cost_one_bit_more_per_channel_and_undo_the_mse_codes_shrinkage
 
 
 # ---- in the cache -------------------------------------------------------------------------------
-def test_heads_coded_by_turboquant_decode_as_one_batch():
+def test_heads_coded_by_turboquant_decode_as_one_batch_on_the_rotated_basis():
     codec = TurboCodec(2)
     parts = [codec.encode(torch.randn(2, 40, 16), Where(0, h, "key")) for h in range(3)]
     assert alike(parts[0], parts[1])
-    batched = decode_heads(parts, torch.float32)  # (b, h, n, d)
+    batched = decode_heads(parts, torch.float32)  # y (b, h, n, d) and the basis R
+    assert isinstance(batched, Turned) and torch.allclose(batched.basis @ batched.basis.T, torch.eye(16), atol=1e-6)
     for h, part in enumerate(parts):
-        assert torch.allclose(batched[:, h], part.decode(torch.float32))
+        assert torch.allclose(batched.y[:, h] @ batched.basis.T, part.decode(torch.float32), atol=1e-5)
+
+
+@pytest.mark.parametrize("codec", [TurboCodec(3), TurboCodec(3, qjl=True)])
+def test_attention_over_the_rotated_basis_equals_attention_over_decoded_tokens(codec):
+    """few_queries turns the query (q R) and the output ((p y) R^T) for a `Turned` part: the same
+    attention as over the decoded tokens, beside a part held in the model's dtype."""
+    from kvstack.cache.attention import few_queries
+
+    g = torch.Generator().manual_seed(0)
+    b, h, group, d = 2, 3, 2, 16
+    query = torch.randn(b, h * group, 1, d, generator=g)
+    coded = [codec.encode(torch.randn(b, 30, d, generator=g), Where(0, i, "key")) for i in range(h)]
+    recent = torch.randn(b, h, 5, d, generator=g)
+    turned = decode_heads(coded, torch.float32)
+    plain = turned.y @ turned.basis.T
+    out_turned = few_queries(query, [turned, recent], [turned, recent], None, None, 0.25)
+    out_plain = few_queries(query, [plain, recent], [plain, recent], None, None, 0.25)
+    assert torch.allclose(out_turned, out_plain, atol=1e-5)
 
 
 @pytest.mark.parametrize(

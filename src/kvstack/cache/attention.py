@@ -16,9 +16,11 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
+from kvstack.cache.encoded import Turned
+
 if TYPE_CHECKING:
     from kvstack.cache.cache import KVCache
-    from kvstack.cache.layer import CompressedLayer
+    from kvstack.cache.layer import CompressedLayer, Part
 
 ATTENTION = "kvstack"
 
@@ -105,8 +107,8 @@ FEW_QUERIES = 8  # up to this many new queries, attention runs as `few_queries`
 
 def few_queries(
     query: torch.Tensor,
-    keys: Sequence[torch.Tensor],
-    values: Sequence[torch.Tensor],
+    keys: Sequence[Part],
+    values: Sequence[Part],
     mask: torch.Tensor | None,
     bias: torch.Tensor | None,
     scale: float,
@@ -117,7 +119,9 @@ def few_queries(
 
     Logits and softmax in float32, the probabilities times values in the values' dtype (the
     model's, as flash kernels do; float32 once some parts were decoded from codes). Logits are
-    taken part by part and joined, so parts are never copied into one tensor. On CPU, SDPA's
+    taken part by part and joined, so parts are never copied into one tensor. A `Turned` part
+    (tokens y R^T held as y) is read with the query turned, q R, and its share of the output
+    turned back, (p y) R^T: two (d, d) products per step instead of one per token. On CPU, SDPA's
     bf16 kernel with one query takes ~6 ms over 8k keys where these batched products take ~0.7 ms.
     mask: (b or 1, h or 1, q, t) True where a key may be seen; bias: (b, h, t) log-counts added
     to the logits (merged entries), or None.
@@ -126,8 +130,11 @@ def few_queries(
     h = keys[0].shape[1]
     g = hg // h
     flat_query = query.reshape(b * h, g * q, d).float()
-    # (b*h, g*q, d) @ (b*h, d, t_i): keys are not broadcast over the group (that would copy them)
-    parts = [torch.bmm(flat_query, k.float().reshape(b * h, k.shape[2], d).transpose(1, 2)) for k in keys]
+    parts = []
+    for k in keys:  # (b*h, g*q, d) @ (b*h, d, t_i): keys are not broadcast over the group (that would copy them)
+        turned = isinstance(k, Turned)  # tokens y @ R^T: the query turns, q R, not every token
+        kq, kt = (flat_query @ k.basis, k.y) if turned else (flat_query, k)
+        parts.append(torch.bmm(kq, kt.float().reshape(b * h, kt.shape[2], d).transpose(1, 2)))
     t = sum(p.shape[-1] for p in parts)
     logits = (parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)).view(b, h, g, q, t) * scale
     if bias is not None:
@@ -135,11 +142,14 @@ def few_queries(
     if mask is not None:
         logits = logits.masked_fill(~mask.unsqueeze(2), float("-inf"))
     probs = torch.softmax(logits, dim=-1).view(b * h, g * q, t)
-    dtype = values[0].dtype if len(values) == 1 else torch.float32
+    dtype = values[0].dtype if len(values) == 1 and not isinstance(values[0], Turned) else torch.float32
     out, at = None, 0
     for v in values:
         t_i = v.shape[2]
-        part = torch.bmm(probs[..., at : at + t_i].to(dtype), v.to(dtype).reshape(b * h, t_i, -1))
+        vt = v.y if isinstance(v, Turned) else v
+        part = torch.bmm(probs[..., at : at + t_i].to(dtype), vt.to(dtype).reshape(b * h, t_i, -1))
+        if isinstance(v, Turned):  # sum p y, then back from the rotated basis: (sum p y) R^T
+            part = part @ v.basis.T
         out, at = part if out is None else out.add_(part), at + t_i
     assert out is not None
     return out.view(b, hg, q, -1).to(query.dtype)
@@ -249,7 +259,7 @@ def _attend(
     window: int | None,
     scale: float,
     bias_of: Callable[[int], torch.Tensor | None],
-    parts_of: Callable[[int], tuple[list[torch.Tensor], list[torch.Tensor]]] | None = None,
+    parts_of: Callable[[int], tuple[list[Part], list[Part]]] | None = None,
 ) -> torch.Tensor:
     """Per KV head h: its group of queries (b, g, q, d) attends its own keys/values (b, t_h, d).
 

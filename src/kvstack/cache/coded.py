@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kvstack.cache.encoded import Encoded
+from kvstack.cache.encoded import Encoded, Turned
 
 
 @dataclass(eq=False)
@@ -43,16 +43,19 @@ def alike(a: Encoded, b: Encoded) -> bool:
     return rule and shapes == ({k: v.shape for k, v in b.tokens.items()}, {k: v.shape for k, v in b.groups.items()})
 
 
-def decode_heads(parts: list[Encoded], dtype: torch.dtype) -> torch.Tensor:
+def decode_heads(parts: list[Encoded], dtype: torch.dtype) -> torch.Tensor | Turned:
     """(b, h, n, d) in `dtype`: the parts of h heads (each (b, n, d) once decoded) decoded in one
-    call, the heads laid along the batch (`alike` parts only)."""
+    call, the heads laid along the batch (`alike` parts only); `Turned` when the codec keeps its
+    tokens on a rotated basis (`Encoded.read`)."""
     first, h = parts[0], len(parts)
     batched = replace(
         first,
         tokens={k: torch.cat([p.tokens[k] for p in parts]) for k in first.tokens},
         groups={k: torch.cat([p.groups[k] for p in parts]) for k in first.groups},
     )
-    out = batched.decode(dtype)  # (h*b, n, d)
+    out = batched.read(dtype)  # (h*b, n, d)
+    if isinstance(out, Turned):
+        return Turned(out.y.view(h, -1, *out.y.shape[1:]).transpose(0, 1), out.basis)
     return out.view(h, -1, *out.shape[1:]).transpose(0, 1)
 
 

@@ -60,6 +60,12 @@ class Codec:
         round trip through the model's dtype)."""
         return self.decode(enc).to(dtype)
 
+    def decode_turned(self, enc: Encoded, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """For codes held on a rotated basis: (y (b, n, d) in `dtype`, R (d, d) float32 orthogonal)
+        with the tokens = y @ R^T, so attention turns the query (q R) and its output (o R^T)
+        instead of every token; None when the codec has no such form (then `decode_as`)."""
+        return None
+
     def token_bytes(self, dim: int) -> float:
         """Bytes one token costs once encoded (codes plus metadata shared within its group)."""
         raise NotImplementedError
@@ -72,6 +78,22 @@ class Codec:
         """True when tokens coded by `other` may join a part coded by this codec: the same object
         (a codec with tables), or the same rule for codecs without (`Uniform`)."""
         return self is other
+
+
+@dataclass(frozen=True)
+class Turned:
+    """Tokens on a rotated basis: the tokens are `y @ basis^T`, y (..., t, d), basis (d, d)
+    orthogonal float32. Attention reads them as they are, with its query turned by the basis."""
+
+    y: torch.Tensor
+    basis: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.y.shape
+
+    def unsqueeze(self, dim: int) -> Turned:
+        return Turned(self.y.unsqueeze(dim), self.basis)
 
 
 @dataclass(eq=False)
@@ -95,6 +117,12 @@ class Encoded:
     def decode(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """(b, n, d) the tokens as the model reads them (in `dtype` when given)."""
         return self.codec.decode(self) if dtype is None else self.codec.decode_as(self, dtype)
+
+    def read(self, dtype: torch.dtype) -> torch.Tensor | Turned:
+        """What attention reads: the tokens on their rotated basis when the codec keeps one
+        (`Turned`, no rotation per token), else decoded (b, n, d) in `dtype`."""
+        turned = self.codec.decode_turned(self, dtype)
+        return self.decode(dtype) if turned is None else Turned(*turned)
 
     def rows(self) -> torch.Tensor:
         """(b, n) the group row each token reads its group tensors from: token // token_group while

@@ -20,13 +20,14 @@ from typing import Any
 import torch
 
 from kvstack.cache.coded import Coded, alike, compact, decode_heads
-from kvstack.cache.encoded import Codec, Encoded, Where, gather_rows
+from kvstack.cache.encoded import Codec, Encoded, Turned, Where, gather_rows
 from kvstack.cache.heads import PerHead
 from kvstack.cache.keep import Keep
 from kvstack.cache.sequence import SequenceState
 
 SLOT_DTYPE = torch.int32
 WEIGHT = "log_count"  # per-token statistic: log of how many tokens a merged entry stands for
+Part = torch.Tensor | Turned  # tokens as attention reads them (`Turned`: on a rotated basis)
 
 
 def storage_bytes(tensors: list[torch.Tensor]) -> int:
@@ -120,17 +121,18 @@ class CompressedLayer:
             return self.values[h]
         return torch.cat([*(c.values.decode() for c in self.coded[h]), self.values[h]], dim=1)
 
-    def head_parts(self, h: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def head_parts(self, h: int) -> tuple[list[Part], list[Part]]:
         """Head h's keys and values as parts along its tokens in storage order, each (b, t_i, d):
-        the encoded parts decoded straight to float32 (what attention reads), then the tokens held
-        in the model's dtype; never joined into one tensor."""
+        the encoded parts decoded straight to float32 (what attention reads; `Turned` when kept on
+        a rotated basis), then the tokens held in the model's dtype; never joined into one tensor."""
         f32 = torch.float32
-        keys = [*(c.keys.decode(f32) for c in self.coded[h]), self.keys[h]]
-        return keys, [*(c.values.decode(f32) for c in self.coded[h]), self.values[h]]
+        keys = [*(c.keys.read(f32) for c in self.coded[h]), self.keys[h]]
+        return keys, [*(c.values.read(f32) for c in self.coded[h]), self.values[h]]
 
-    def layer_kv(self) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
+    def layer_kv(self) -> tuple[list[Part], list[Part]] | None:
         """(keys, values) as parts along the tokens in storage order, each (b, h, t_i, d): every
-        head's encoded parts decoded to float32 in one call per part, then the tokens held in the
+        head's encoded parts decoded to float32 in one call per part (`Turned` when kept on a
+        rotated basis), then the tokens held in the
         model's dtype; when the heads are alike (plain tokens stacked, the same parts with the same
         uniform codecs and shapes, nothing merged). Else None, and attention goes head by head."""
         keys, values = self.keys.stacked, self.values.stacked

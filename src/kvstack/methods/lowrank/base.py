@@ -83,11 +83,19 @@ class Then(Codec):
         return Encoded(self, x.shape[1], x.shape[-1], x.dtype, where, inner.tokens, inner.groups, shared)
 
     def decode(self, enc: Encoded) -> torch.Tensor:
+        return self.outer.restore(self.inner.decode(self._inner_view(enc)), enc.where, enc.dtype)
+
+    def decode_turned(self, enc: Encoded, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+        basis = getattr(self.outer, "basis", None)  # a rotation (`hadamard`): the coefficients as they are
+        if basis is None:
+            return None
+        return self.inner.decode_as(self._inner_view(enc), dtype), basis()
+
+    def _inner_view(self, enc: Encoded) -> Encoded:
         tables = self.outer.tables(enc.where)
         shared = {k: v for k, v in enc.shared.items() if k not in tables}
         rank = self.outer.out_dim(enc.dim)
-        view = Encoded(self.inner, enc.n, rank, self.outer.dtype, enc.where, enc.tokens, enc.groups, shared)
-        return self.outer.restore(self.inner.decode(view), enc.where, enc.dtype)
+        return Encoded(self.inner, enc.n, rank, self.outer.dtype, enc.where, enc.tokens, enc.groups, shared)
 
     def token_bytes(self, dim: int) -> float:
         return self.inner.token_bytes(self.outer.out_dim(dim))

@@ -20,9 +20,9 @@ from typing import Any, ClassVar
 
 import torch
 
-from kvstack.cache.encoded import Codec, Where
+from kvstack.cache.encoded import Codec, Encoded, Where
 from kvstack.methods.lowrank.base import Projection, Projector
-from kvstack.methods.quantize.rotation import random_signs, rotate, unrotate
+from kvstack.methods.quantize.rotation import matrix, random_signs, rotate, unrotate
 from kvstack.methods.registry import register
 from kvstack.models.config import head_dim, text_config
 
@@ -46,6 +46,13 @@ class Rotation(Projection):
 
     def tables(self, where: Where) -> dict[str, torch.Tensor]:
         return {"signs": self.signs}
+
+    def basis(self) -> torch.Tensor:
+        """(d, d) float32 R: coefficients are x @ R, tokens are coefficients @ R^T."""
+        return matrix(self.signs.float())
+
+    def decode_turned(self, enc: Encoded, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return enc.tokens["coeff"].to(dtype), self.basis()
 
     def fixed_bytes(self, dim: int) -> int:
         return dim * self.itemsize

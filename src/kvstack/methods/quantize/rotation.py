@@ -63,3 +63,9 @@ def unrotate(y: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
     """The inverse of `rotate`: y (..., d) times R^T = H diag(signs), float32."""
     blocks, h = _blocks(y.float())
     return (blocks @ h).reshape(y.shape) * signs.float().to(y.device)
+
+
+def matrix(signs: torch.Tensor) -> torch.Tensor:
+    """(d, d) float32 R with rotate(x) = x @ R (orthogonal: x = rotate(x) @ R^T)."""
+    d = signs.shape[0]
+    return rotate(torch.eye(d, device=signs.device), signs)

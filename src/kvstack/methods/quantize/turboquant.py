@@ -29,7 +29,7 @@ import torch
 from kvstack.cache.encoded import META_DTYPE, Codec, Encoded, Where
 from kvstack.cache.packing import check_bits, pack, packed_size, unpack, unpack_float
 from kvstack.methods.quantize.base import Quantizer
-from kvstack.methods.quantize.rotation import random_signs, rotate, unrotate
+from kvstack.methods.quantize.rotation import matrix, random_signs, rotate, unrotate
 from kvstack.methods.registry import register
 
 GRID = 32_000  # points of the density's grid, none at 0 (levels settle to ~1e-4 of the range)
@@ -119,7 +119,8 @@ class TurboCodec(Codec):
     def decode(self, enc: Encoded) -> torch.Tensor:
         return self.decode_as(enc, enc.dtype)
 
-    def decode_as(self, enc: Encoded, dtype: torch.dtype) -> torch.Tensor:
+    def _turned(self, enc: Encoded) -> torch.Tensor:
+        """(b, n, d) float32 the tokens on the rotated basis, less their run's mean: y |x - mean|."""
         d, device = enc.dim, enc.tokens["codes"].device
         levels = self._levels(d, device)
         y = levels[unpack(enc.tokens["codes"], self.mse_bits, d).long()]  # (b, n, d)
@@ -127,10 +128,19 @@ class TurboCodec(Codec):
             signs = unpack_float(enc.tokens["qjl"], 1, d) * 2 - 1
             s = qjl_matrix(d, self.seed + 1, device)
             y = y + qjl_estimate(signs, enc.tokens["residual"].float(), s)
-        x = unrotate(y, random_signs(d, self.seed)) * enc.tokens["norm"].float()
+        return y.mul_(enc.tokens["norm"].float())
+
+    def decode_as(self, enc: Encoded, dtype: torch.dtype) -> torch.Tensor:
+        x = unrotate(self._turned(enc), random_signs(enc.dim, self.seed))
         if self.center:
             x = x + enc.per_token("mean").float()
         return x.to(dtype)
+
+    def decode_turned(self, enc: Encoded, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if self.center:  # a mean per run is not on the rotated basis
+            return None
+        y = self._turned(enc)
+        return y.to(dtype), matrix(random_signs(enc.dim, self.seed).to(y.device))
 
     def token_bytes(self, dim: int) -> float:
         extra = packed_size(dim, 1) + META_DTYPE.itemsize if self.qjl else 0
