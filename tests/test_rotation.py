@@ -93,6 +93,17 @@ def test_sphere_levels_by_hand():
     assert torch.allclose(big, torch.tensor([-1.5104, -0.4528, 0.4528, 1.5104]), atol=1e-2)
 
 
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 8])
+def test_the_nearest_level_by_comparisons_is_bucketize(bits):
+    from kvstack.methods.quantize.turboquant import nearest_level
+
+    y = torch.randn(3, 50, 64, generator=torch.Generator().manual_seed(bits)) / 8
+    levels = sphere_levels(64, bits)
+    expected = torch.bucketize(y, (levels[1:] + levels[:-1]) / 2)
+    assert torch.equal(nearest_level(y, levels), expected)
+    assert torch.equal(nearest_level(levels, levels), torch.arange(2**bits))  # each level is its own nearest
+
+
 @pytest.mark.parametrize("bits, paper", [(1, 0.36), (2, 0.117), (3, 0.03), (4, 0.009)])
 def test_turboquant_error_is_the_papers(bits, paper):
     """TurboQuant_mse's distortion E|x - x'|^2 for unit x (the paper's Theorem 1 values at b = 1-4)."""

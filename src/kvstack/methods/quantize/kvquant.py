@@ -37,16 +37,11 @@ from kvstack.errors import UserError
 from kvstack.methods.lowrank.rotatek import AsIs
 from kvstack.methods.lowrank.shadowkv import redo_rope, undo_rope
 from kvstack.methods.quantize.base import Quantizer
-from kvstack.methods.quantize.turboquant import lloyd_max
+from kvstack.methods.quantize.turboquant import lloyd_max, nearest_level
 from kvstack.methods.registry import register
 
 CLIP = 0.005  # each side of a channel's calibrated range left to the outliers (KVQuant: 1% in all)
 BINS = 4001  # histogram of normalised entries the levels are fitted on
-
-
-def nearest(u: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
-    """(...) long index of the level (L,) nearest each entry of u (...)."""
-    return torch.bucketize(u.contiguous(), (levels[1:] + levels[:-1]) / 2)
 
 
 def outlier_count(fraction: float, dim: int) -> int:
@@ -112,7 +107,7 @@ class NuqCodec(Codec):
         u = ((pre - mid) / half).scatter(-1, index, 0.0).clamp(-1, 1)
         if count:
             tokens |= {"out_index": index.to(torch.uint8), "out_value": torch.gather(pre, -1, index).to(META_DTYPE)}
-        tokens["codes"] = pack(nearest(u, self._levels(table)), self.bits)
+        tokens["codes"] = pack(nearest_level(u, self._levels(table)), self.bits)
         return Encoded(self, n, d, x.dtype, where, tokens, {}, {"table": table})
 
     def decode(self, enc: Encoded) -> torch.Tensor:

@@ -71,6 +71,19 @@ def qjl_estimate(signs: torch.Tensor, norm: torch.Tensor, s: torch.Tensor) -> to
     return math.sqrt(math.pi / 2) / s.shape[0] * norm * (signs @ s)
 
 
+def nearest_level(y: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
+    """(...) int64 index of the level (L,) sorted ascending nearest each entry of y (...): how many
+    mid-points it passes (one comparison per boundary, ~8x faster than `torch.bucketize` on CPU
+    for the few levels of 1-4 bits)."""
+    bounds = (levels[1:] + levels[:-1]) / 2
+    if bounds.numel() > 15:
+        return torch.bucketize(y.contiguous(), bounds)
+    codes = torch.zeros(y.shape, dtype=torch.uint8, device=y.device)
+    for bound in bounds.tolist():
+        codes += y > bound
+    return codes.long()
+
+
 class TurboCodec(Codec):
     """A token's norm and its rotated direction coded on `sphere_levels` (+ QJL when `qjl`); with
     `center` > 0, first less the mean of its run of `center` tokens (float16, one per run)."""
@@ -108,7 +121,7 @@ class TurboCodec(Codec):
         norm = xf.norm(dim=-1, keepdim=True)
         y = rotate(xf / norm.clamp(min=1e-30), random_signs(d, self.seed))  # (b, n, d), about N(0, 1/d) each
         levels = self._levels(d, x.device)
-        codes = torch.bucketize(y, (levels[1:] + levels[:-1]) / 2)
+        codes = nearest_level(y, levels)
         tokens = {"codes": pack(codes, self.mse_bits), "norm": norm.to(META_DTYPE)}
         if self.qjl:
             r = y - levels[codes]
