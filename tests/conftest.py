@@ -17,10 +17,14 @@ DEVICE = os.environ.get("KVSTACK_TEST_DEVICE", "cpu")
 
 @pytest.fixture(scope="session", autouse=True)
 def private_calibrations(tmp_path_factory):
-    """Head calibrations of the tiny models go to a temporary folder, never the user's cache."""
+    """Head calibrations and predictors of the tiny models go to a temporary folder, never the user's cache."""
     folder = tmp_path_factory.mktemp("kvstack-cache")
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("KVSTACK_CALIBRATION", str(folder))
+        from kvstack.training.train import train
+
+        for build in TINY.values():  # learned scorers (kvzap) find a predictor for each tiny model
+            train(build(), texts=2, held=1, tokens=64, hidden=8, steps=20)
         yield
 
 

@@ -37,7 +37,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "methods",
         tuple(
             f"kvstack.methods.{family}"
-            for family in ("evict", "allocate", "quantize", "merge", "lowrank", "crosslayer")
+            for family in ("evict", "learned", "allocate", "quantize", "merge", "lowrank", "crosslayer")
         ),
     ),
     ("stack", ("kvstack.stack",)),
@@ -45,7 +45,14 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("cache", ("kvstack.cache.cache",)),
     (
         "loops",
-        ("kvstack.generate", "kvstack.planning", "kvstack.models", "kvstack.models.loading", "kvstack.models.prompts"),
+        (
+            "kvstack.generate",
+            "kvstack.planning",
+            "kvstack.training",
+            "kvstack.models",
+            "kvstack.models.loading",
+            "kvstack.models.prompts",
+        ),
     ),
     (
         "entry points",
@@ -56,6 +63,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "kvstack.cli_cache",
             "kvstack.cli_serve",
             "kvstack.cli_eval",
+            "kvstack.cli_train",
             "kvstack.harness",
             "kvstack.terminal",
             "kvstack.bench",

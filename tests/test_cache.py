@@ -21,6 +21,8 @@ SHORT = {
     "graphkv": "graphkv(snapkv(window_size=4, every=4), sources=8)",
     "kvcrush": "kvcrush(snapkv(window_size=4, every=4))",
     "scope": "scope(snapkv(window_size=4))",
+    "chunk": "chunk(snapkv(window_size=4, every=4), size=4)",
+    "sentence": "sentence(snapkv(window_size=4, every=4), longest=4)",
     # 8 tokens per head overflow tiny Gemma's 15-token windows: least=2
     "auto": "auto(tokens=256, samples=1, least=2, validate=1)",
 }

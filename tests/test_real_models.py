@@ -233,3 +233,21 @@ def test_a_saved_cache_answers_like_the_one_in_memory(smollm2, spec, budget, tmp
     again = kvstack.answer_cached(smollm2, loaded, [s.question], 16, s.answer_prefix)
     assert again.new_tokens == kept.new_tokens
     assert (again.kv_bytes, again.kv_bytes_end) == (kept.kv_bytes, kept.kv_bytes_end)
+
+
+def test_kvzap_scores_with_the_predictor_kvstack_ships_and_sentences_mark_real_tokens(smollm2):
+    """On a fresh machine (the tests' calibration folder is empty) kvzap finds SmolLM2's shipped
+    predictor; kvzap and sentence(kvzap) at half the bytes still find the needle."""
+    from kvstack.calibrate.store import model_key
+    from kvstack.methods.evict.sentence import sentence_table
+    from kvstack.methods.learned.predictor import SHIPPED, find
+
+    assert find(model_key(smollm2.model), "kvzap").parent == SHIPPED
+    table = sentence_table(smollm2.model)
+    encode = smollm2.tokenizer.encode
+    assert bool(table[encode(".")[-1]]) and not bool(table[encode(" the")[-1]])
+    s = needle_sample(words=600)
+    for method in ("kvzap", "sentence(kvzap)"):
+        got = answer(smollm2, [s.context], [s.question], method, 0.5, max_new_tokens=16, answer_prefix=s.answer_prefix)
+        assert s.answer.lower() in got.answers[0].lower(), (method, got.answers[0])
+        assert got.kv_ratio <= 0.51

@@ -13,6 +13,7 @@ from rich.table import Table
 from kvstack.cli_cache import cache_app
 from kvstack.cli_eval import evaluate
 from kvstack.cli_serve import serve
+from kvstack.cli_train import train
 from kvstack.errors import UserError
 from kvstack.terminal import DEFAULT, err, out, parse_method, print_answer
 from kvstack.terminal import fail as _fail
@@ -32,6 +33,7 @@ app = typer.Typer(
 app.add_typer(cache_app, name="cache")
 app.command()(serve)
 app.command("eval")(evaluate)
+app.command()(train)
 AGNOSTIC_HELP = "compress the context before the question is seen (reusable context)"
 # the benchmark's tasks (kvstack.bench.runner.ALL_TASKS; spelled out so `--help` imports no torch)
 TASK_NAMES = (

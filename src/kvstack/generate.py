@@ -150,6 +150,8 @@ class Runner:
         self.mask = chunk_mask if self.mask is None else torch.cat([self.mask, chunk_mask], dim=1)
         positions = (self.mask.cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1] :]
         start = self.mask.shape[1] - ids.shape[1]
+        for stage in self.hooks:
+            stage.tokens_in(self, ids, chunk_mask)
         out = self.model(
             input_ids=ids,
             attention_mask=self.mask,

@@ -18,6 +18,7 @@ class SequenceState:
     padding: torch.Tensor | None = None
     exempt: list[tuple[int, int]] = field(default_factory=list)
     prompt_end: int = 0  # slots before this arrived in multi-token (prefill) chunks
+    ends: torch.Tensor | None = None  # (b, slots) True where a token ends a sentence (kept for `sentence`)
 
     def real_counts(self, seen: int, batch: int, since: int = 0, device: torch.device | None = None) -> torch.Tensor:
         """(b,) real tokens among slots [since, seen)."""
@@ -33,7 +34,22 @@ class SequenceState:
 
     def copy(self) -> SequenceState:
         """An independent copy (tensors are replaced, never written in place, so they are shared)."""
-        return SequenceState(self.padding, list(self.exempt), self.prompt_end)
+        return SequenceState(self.padding, list(self.exempt), self.prompt_end, self.ends)
+
+    def mark_ends(self, ends: torch.Tensor, seen: int) -> None:
+        """Record which of the next tokens (b, q) end a sentence, after `seen` slots (slots whose
+        tokens were never marked, e.g. before a saved cache was loaded, end none)."""
+        have = 0 if self.ends is None else self.ends.shape[1]
+        gap = ends.new_zeros(ends.shape[0], max(seen - have, 0))
+        old = ends.new_zeros(ends.shape[0], 0) if self.ends is None else self.ends[:, :seen]
+        self.ends = torch.cat([old, gap, ends], dim=1)
+
+    def sentence_index(self) -> torch.Tensor | None:
+        """(b, slots) the sentence each slot belongs to: how many sentence ends came before it."""
+        if self.ends is None:
+            return None
+        ends = self.ends.long()
+        return ends.cumsum(-1) - ends
 
     def is_exempt(self, slots: torch.Tensor) -> torch.Tensor:
         """Bool tensor like slots: True for slots inside an exempt range."""

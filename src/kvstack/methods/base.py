@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from kvstack.errors import UserError
+
 if TYPE_CHECKING:
     from kvstack.cache.layer import CompressedLayer
 
@@ -58,6 +60,7 @@ class Observation:
         token_index: torch.Tensor | None,
         decoding: bool = False,
         confidence: torch.Tensor | None = None,
+        tables: dict[str, Any] | None = None,
     ) -> None:
         self._layer = layer
         self.keep = keep  # (b, h) tokens each head will keep
@@ -71,6 +74,7 @@ class Observation:
         self.prompt_end = layer.seq.prompt_end  # slots below this came with the prompt (prefill)
         self.inv_freq = layer.inv_freq  # (d/2,) RoPE inverse frequencies, or None
         self.confidence = confidence  # (b,) the model's confidence in its last prediction, or None
+        self.tables = tables or {}  # scorer name -> what its `Method.load` loaded (a learned predictor)
 
     @cached_property
     def slots(self) -> torch.Tensor:
@@ -161,6 +165,23 @@ class Observation:
         return self._layer.dense(self._layer.stats[name], fill=0.0)
 
     @cached_property
+    def sentence(self) -> torch.Tensor:
+        """(b, h, t) the sentence each held token belongs to (0, 1, ... along each sequence), from
+        the ends the loop marked as tokens came in (`Stage.tokens_in`)."""
+        index = self._layer.seq.sentence_index()
+        if index is None:
+            raise UserError(
+                "sentence ends are marked by kvstack's own loop as tokens come in: use kvstack.generate / "
+                "`kvstack generate` (model.generate cannot mark them)"
+            )
+        slots = self.slots.clamp(min=0)
+        width = index.shape[1]
+        b, h, t = slots.shape
+        inside = slots < width  # slots appended after the last marking end no sentence
+        found = torch.gather(index, 1, slots.clamp(max=max(width - 1, 0)).reshape(b, h * t)).reshape(b, h, t)
+        return torch.where(inside, found, index[:, -1:, None].expand(b, h, t) if width else torch.zeros_like(slots))
+
+    @cached_property
     def last_attention(self) -> torch.Tensor:
         """(b, h, t) attention from the most recent query, averaged over the head's group."""
         return self._layer.dense(self._layer.stats["last_attention"], fill=0.0)
@@ -201,6 +222,10 @@ class Stage:
         """A prompt (or a prompt chunk) went through the model. `runner` is the loop's
         (`kvstack.generate.Runner`): its `cache`, `rows` (each sequence's tokens so far), `fork`
         and `forward_rows`, for a stage that runs the model again (KVzip's re-reading)."""
+
+    def tokens_in(self, runner: Any, ids: torch.Tensor, mask: torch.Tensor) -> None:
+        """The loop is about to feed `ids` (b, q) with padding mask (b, q) to the model (`sentence`
+        marks which of them end a sentence here, before the forward pass compresses)."""
 
     def step_done(self, cache: Any, logits: torch.Tensor) -> None:
         """The model predicted the next token's logits (b, vocab) with `cache` (CONF-KV reads
@@ -267,6 +292,11 @@ class Method(Stage):
     def score(self, obs: Observation) -> torch.Tensor:
         """(b, h, t) importance of each held token; higher is kept first."""
         raise NotImplementedError
+
+    def load(self, model: Any) -> Any:
+        """What scoring needs from the model, loaded once per cache and handed back in
+        `Observation.tables[name]` (a learned predictor); None for scorers that need nothing."""
+        return None
 
     def limit(self, keep: torch.Tensor, decoding: bool, confidence: torch.Tensor | None) -> torch.Tensor:
         """(b, h) tokens to keep now, at most the budget's `keep` (b, h): a method may hold fewer,

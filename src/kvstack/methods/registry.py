@@ -9,7 +9,7 @@ from kvstack.errors import unknown_name
 from kvstack.methods.base import Stage
 
 METHODS: dict[str, type[Stage]] = {}
-FAMILIES = ("evict", "allocate", "quantize", "merge", "lowrank", "crosslayer")  # folders of methods/
+FAMILIES = ("evict", "learned", "allocate", "quantize", "merge", "lowrank", "crosslayer")  # folders of methods/
 _LOADED: list[bool] = []
 
 

@@ -49,6 +49,9 @@ class LoadedModel:
             self.model._kvstack_repeat_ids = tuple(encode(t, add_special_tokens=False) for t in (REPEAT, REPEAT_PART))
             # codebook quantizers (CQ) calibrate on prose in this model's tokens
             self.model._kvstack_encode = lambda text: encode(text, add_special_tokens=False)
+        batch_decode = getattr(self.tokenizer, "batch_decode", None)
+        if batch_decode is not None:  # `sentence` finds the tokens that end a sentence in their text
+            self.model._kvstack_token_texts = lambda: batch_decode([[i] for i in range(len(self.tokenizer))])
         # calibration rows start as this model's prompts do (Gemma 3 reads garbage without its BOS)
         bos = getattr(self.tokenizer, "bos_token_id", None)
         self.model._kvstack_prefix = (bos,) if self.add_bos and bos is not None else ()

@@ -48,6 +48,7 @@ class Policy:
             if stack.demotes:
                 demote_codecs = stack.evictor.demote_codecs()
         self.shares = Shares(self, codecs, demote_codecs)
+        self.tables = scorer_tables(stack, source)
         if quantizer is not None:
             self.check_alone(quantizer, head_dim, source)
         planner = stack.planner
@@ -218,7 +219,7 @@ class Policy:
         method = self.stack.evictor
         assert method is not None
         start = self.clock.start(layer.keys[0].device if layer.keys else None)
-        obs = Observation(layer, keep, self.cache.seq.token_index(), decoding, self.cache.confidence)
+        obs = Observation(layer, keep, self.cache.seq.token_index(), decoding, self.cache.confidence, self.tables)
         if self.stack.demotes:  # tokens already at low precision stay there, outside the selection
             obs.valid = obs.valid & ~layer.dense_demoted()
         scores = self.scores(obs)
@@ -265,3 +266,15 @@ class Policy:
         plan = merger.merge(obs, kept).into(obs.plain & kept)
         keys, values, log_count, changed = merge_states(obs.keys, obs.values, obs.log_count, plan)
         layer.rewrite(changed, keys, values, log_count if merger.log_count else None)
+
+
+def scorer_tables(stack: Stack, source: Any) -> dict[str, Any]:
+    """Scorer name -> what it loads from the model once (`Method.load`), for each scorer of the
+    stack's evictor (a wrapped one included)."""
+    tables: dict[str, Any] = {}
+    for stage in stack.evictor.chain() if stack.evictor is not None else []:
+        if isinstance(stage, Method):
+            table = stage.load(source)
+            if table is not None:
+                tables[stage.name] = table
+    return tables

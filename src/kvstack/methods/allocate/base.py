@@ -46,7 +46,7 @@ class Plan:
     def observation(self, layer_idx: int) -> Observation:
         layer = self.layers[layer_idx]
         keep = self.base[layer_idx].unsqueeze(1).expand(-1, layer.n_kv_heads)
-        return Observation(layer, keep, self._policy.cache.seq.token_index())
+        return Observation(layer, keep, self._policy.cache.seq.token_index(), tables=self._policy.tables)
 
     def scores(self, layer_idx: int) -> torch.Tensor:
         """(b, h, t) the stack's scorer on layer `layer_idx`, exempt tokens at +inf."""

@@ -1,0 +1,103 @@
+"""`kvstack train`: teacher scores on prose, a fit per head, a held-out check, one saved file."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvstack.calibrate.prose import calibration_ids
+from kvstack.calibrate.store import Ticker, calibration_dir, model_key
+from kvstack.errors import UserError, unknown_name
+from kvstack.methods.learned.predictor import Predictor, predictor_path
+from kvstack.training.fit import fit_layers, kept_overlap
+from kvstack.training.teachers import cached_scores, check_teacher, prefill, student_inputs
+
+TRAINABLE = {"kvzap": "kvzip"}  # learned scorer -> its default teacher
+FRACTIONS = (0.125, 0.25)  # held-out check: the teacher's kept set at these budgets
+
+
+@dataclass
+class Trained:
+    """A trained predictor, where it was saved and what it scored on rows it never saw."""
+
+    predictor: Predictor
+    path: Path
+    held_out: dict[str, float]  # "kept@0.125": share of the teacher's kept tokens the predictor keeps too
+    teacher_s: float  # seconds scoring with the teacher (an earlier run's scores are read) and reading inputs
+    fit_s: float
+
+
+def train(
+    model: Any,
+    method: str = "kvzap",
+    teacher: str | None = None,
+    texts: int = 16,
+    held: int = 2,
+    tokens: int = 1024,
+    hidden: int = 0,
+    steps: int = 400,
+    out: Path | None = None,
+) -> Trained:
+    """Train `method`'s predictor for `model` on `texts` State of the Union rows of `tokens` tokens
+    scored by `teacher`, check it on `held` other rows, save it (`out`, else where `kvzap` finds it)."""
+    if method not in TRAINABLE:
+        raise unknown_name("trainable method", method, list(TRAINABLE))
+    teacher = check_teacher(teacher or TRAINABLE[method])
+    if texts < 1 or held < 1 or tokens < 32 or hidden < 0 or steps < 1:
+        raise UserError("train on texts >= 1 rows, held >= 1 held-out rows, tokens >= 32, hidden >= 0, steps >= 1")
+    key = model_key(model)
+    rows = calibration_ids(model, texts, tokens, skip=held)  # the held-out rows are the newest addresses
+    checks = calibration_ids(model, held, tokens)
+    folder = calibration_dir() / "scores" / f"{key}-{tokens}"
+    started = time.monotonic()
+    targets, inputs = [], []
+    with torch.no_grad(), Ticker(f"{method}: {teacher} scores and inputs", len(rows) + len(checks)) as ticker:
+        for ids in rows + checks:
+            targets.append(cached_scores(model, ids, teacher, folder))  # per layer (h, n_l)
+            inputs.append(student_inputs(prefill(model, ids)))  # per layer (h, n_l, F)
+            ticker.advance()
+    teacher_s = time.monotonic() - started
+    started = time.monotonic()
+    xs = [torch.cat([row[i] for row in inputs[: len(rows)]], 1) for i in range(len(inputs[0]))]
+    ys = [torch.cat([row[i] for row in targets[: len(rows)]], 1) for i in range(len(targets[0]))]
+    with Ticker(f"{method}: fitting {len(xs)} x {xs[0].shape[0]} heads", steps) as ticker:
+        predictor = fit_layers(xs, ys, hidden, steps=steps, progress=lambda k: ticker.advance(k - ticker.done))
+    fit_s = time.monotonic() - started
+    held_out = check(predictor, inputs[len(rows) :], targets[len(rows) :])
+    predictor.meta = {
+        "method": method,
+        "model_key": key,
+        "model": getattr(model, "kvstack_name", ""),
+        "teacher": teacher,
+        "texts": str(texts),
+        "tokens": str(tokens),
+        "hidden": str(hidden),
+        "steps": str(steps),
+        "held_out": json.dumps(held_out),
+    }
+    path = out or predictor_path(key, method)
+    try:
+        predictor.save(path)
+    except OSError as e:
+        raise UserError(f"cannot write {path}: {e.strerror}; give --out a writable path") from None
+    return Trained(predictor, path, held_out, teacher_s, fit_s)
+
+
+def check(
+    predictor: Predictor, inputs: list[list[torch.Tensor]], targets: list[list[torch.Tensor]]
+) -> dict[str, float]:
+    """Mean over rows and layers of `kept_overlap` at each of FRACTIONS: per row, per layer inputs
+    (h, n_l, F) and targets (h, n_l). The first 4 tokens (kept by every scorer) are left out."""
+    out = {}
+    for fraction in FRACTIONS:
+        shares = []
+        for row_x, row_y in zip(inputs, targets, strict=True):
+            for i, (x, y) in enumerate(zip(row_x, row_y, strict=True)):
+                shares.append(kept_overlap(predictor.predict(i, x[None])[0][..., 4:], y[..., 4:], fraction))
+        out[f"kept@{fraction:g}"] = sum(shares) / len(shares)
+    return out

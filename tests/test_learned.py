@@ -1,0 +1,206 @@
+"""Learned scorers: the predictor by hand, its fit, its file's refusals, `kvzap` in the cache, `kvstack train`."""
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from kvstack.cache.cache import KVCache
+from kvstack.calibrate.store import model_key
+from kvstack.cli import app
+from kvstack.errors import UserError
+from kvstack.generate import Runner
+from kvstack.methods.base import Observation
+from kvstack.methods.learned.predictor import FORMAT, Predictor, features, find, forward, load
+from kvstack.models.rope import rotate
+from kvstack.training.fit import fit, kept_overlap
+from kvstack.training.teachers import prefill, student_inputs, teacher_scores
+from kvstack.training.train import train
+from test_cache import prompt, step_logits
+from tiny import tiny_llama
+
+
+def test_a_linear_head_is_a_dot_product_and_an_mlp_head_is_gelu_between_two():
+    z = torch.tensor([[[1.0, 2.0], [3.0, -1.0]]])  # (h=1, t=2, F=2)
+    w1, b2 = torch.tensor([[[0.5], [-1.0]]]), torch.tensor([0.25])  # linear: (h, F, 1), (h,)
+    out = forward(z, w1, torch.zeros(1, 0), torch.zeros(1, 0), b2)
+    assert torch.allclose(out, torch.tensor([[0.5 - 2.0 + 0.25, 1.5 + 1.0 + 0.25]]))
+    w1 = torch.tensor([[[1.0, 0.0], [0.0, 1.0]]])  # MLP of width 2: identity, then GELU, then weights
+    b1, w2 = torch.tensor([[0.0, 1.0]]), torch.tensor([[2.0, -1.0]])
+    gelu = torch.nn.functional.gelu
+    expected = 2 * gelu(z[..., 0]) - gelu(z[..., 1] + 1.0) + 0.25
+    assert torch.allclose(forward(z, w1, b1, w2, b2), expected)
+
+
+def test_the_predictor_standardises_features_with_its_training_statistics():
+    mean, std = torch.full((1, 1, 2), 1.0), torch.full((1, 1, 2), 2.0)
+    p = Predictor(torch.ones(1, 1, 2, 1), torch.zeros(1, 1, 0), torch.zeros(1, 1, 0), torch.zeros(1, 1), mean, std)
+    x = torch.tensor([[[[3.0, 5.0]]]])  # (b, h, t, F)
+    assert torch.allclose(p.predict(0, x), torch.tensor([[[(3 - 1) / 2 + (5 - 1) / 2]]]))
+
+
+def test_kept_overlap_by_hand():
+    teacher = torch.tensor([[4.0, 3.0, 2.0, 1.0]])
+    assert kept_overlap(teacher, teacher, 0.5) == 1.0
+    assert kept_overlap(torch.tensor([[4.0, 0.0, 3.0, 1.0]]), teacher, 0.5) == 0.5  # keeps 0 and 2; teacher 0 and 1
+    assert kept_overlap(-teacher, teacher, 0.5) == 0.0
+
+
+def test_a_linear_fit_recovers_a_planted_linear_score_and_an_mlp_a_nonlinear_one():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 2000, 8, generator=g) * 3 + 1  # (L, h, N, F), not standardised
+    w = torch.randn(2, 3, 8, generator=g)
+    linear = fit(x, (x * w[:, :, None]).sum(-1), hidden=0)
+    assert kept_overlap(linear.predict(0, x[0][None])[0], (x[0] * w[0][:, None]).sum(-1), 0.125) > 0.99
+    bump = -(x[..., 0] - 1).abs()  # a score no linear function orders: near the mean of feature 0
+    mlp = fit(x, bump, hidden=16, steps=300, batch=1000)
+    lin = fit(x, bump, hidden=0)
+    kept_mlp = kept_overlap(mlp.predict(1, x[1][None])[0], bump[1], 0.25)
+    kept_linear = kept_overlap(lin.predict(1, x[1][None])[0], bump[1], 0.25)
+    assert kept_mlp > 0.7 and kept_linear < 0.45, (kept_mlp, kept_linear)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A kvzap predictor trained for the tiny Llama (random ids: it has no tokenizer)."""
+    model = tiny_llama()
+    return model, train(model, texts=3, held=1, tokens=96, hidden=8, steps=60)
+
+
+def test_train_writes_a_predictor_the_method_finds_with_its_header(trained):
+    model, result = trained
+    assert result.path == find(model_key(model), "kvzap")
+    predictor = load(result.path, model_key(model), "kvzap")
+    assert predictor.meta["format"] == FORMAT and predictor.meta["teacher"] == "kvzip"
+    assert set(json.loads(predictor.meta["held_out"])) == {"kept@0.125", "kept@0.25"}
+    assert predictor.w1.shape == (4, 2, 36, 8)  # 4 layers, 2 KV heads, key + value of head dim 16, 4 more
+
+
+def test_teacher_scores_are_kvzips_reconstruction_scores(trained):
+    model, _ = trained
+    ids = torch.tensor(prompt(64, seed=4))
+    log_scores = teacher_scores(model, ids, "kvzip")
+    runner = Runner(model, KVCache(model, "kvzip", 0.5))
+    seen = {}
+    original = runner.cache.policy.compress_all
+
+    def spy():  # the scores KVzip compresses by, read before the eviction
+        for i, layer in enumerate(runner.cache.layers):
+            seen[i] = torch.stack([s[0] for s in layer.stats["reconstruction"]])
+        original()
+
+    runner.cache.policy.compress_all = spy
+    runner.forward(ids[None], torch.ones(1, 64, dtype=torch.long))
+    for i, scores in enumerate(log_scores):
+        assert torch.allclose(scores, seen[i].clamp(min=1e-6).log(), atol=1e-5)
+
+
+def test_kvzap_scores_each_token_from_its_key_before_rope_and_its_value(trained):
+    model, result = trained
+    ids = torch.tensor(prompt(50, seed=2))
+    cache = prefill(model, ids)
+    inputs = student_inputs(cache)
+    predictor = load(result.path, model_key(model), "kvzap")
+    layer = cache.layers[1]
+    obs = Observation(layer, layer.counts(), None, tables={"kvzap": predictor})
+    from kvstack.methods.learned.kvzap import KVzap
+
+    scores = KVzap(sinks=0).score(obs)[0]  # (h, t)
+    assert torch.allclose(scores, predictor.predict(1, inputs[1][None])[0], atol=1e-4)
+    # the features are the keys RoPE rotated back: rotating them forward again gives the cache's keys
+    d = (inputs[1].shape[-1] - 4) // 2
+    again = rotate(inputs[1][..., :d], torch.arange(50.0).expand(2, -1), layer.inv_freq)
+    assert torch.allclose(again, torch.stack([layer.head_keys(h)[0] for h in range(2)]), atol=1e-4)
+
+
+def test_kvzap_at_budget_one_is_the_full_cache_and_evicts_to_its_budget(trained):
+    model, _ = trained
+    ids, follow = prompt(60, seed=1), prompt(12, seed=5)
+    full = step_logits(model, KVCache(model, "full", 1.0), ids, follow)
+    assert torch.equal(step_logits(model, KVCache(model, "kvzap", 1.0), ids, follow), full)
+    for spec in ("kvzap", "adakv(kvzap)", "chunk(kvzap,size=4)"):
+        cache = KVCache(model, spec, 0.25)
+        step_logits(model, cache, ids, follow)
+        assert int(cache.layers[0].counts().max()) <= 0.25 * (60 + 12) + 1, spec
+
+
+def test_kvzap_without_a_predictor_names_the_command_that_trains_one():
+    other = tiny_llama(seed=7)  # another model: nothing trained for it
+    with pytest.raises(UserError, match=r"kvstack train kvzap --model") as err:
+        KVCache(other, "kvzap", 0.5)
+    assert "\n" not in str(err.value)
+
+
+def test_a_predictor_file_for_another_model_a_newer_format_or_a_flipped_byte_is_refused(trained, tmp_path):
+    model, result = trained
+    key = model_key(model)
+    with pytest.raises(UserError, match="trained for model"):
+        load(result.path, "llama-000000000000", "kvzap")
+    predictor = load(result.path, key, "kvzap")
+    future = tmp_path / "future.safetensors"
+    from safetensors.torch import save_file
+
+    tensors = {k: v.contiguous() for k, v in predictor.tensors().items()}
+    save_file(tensors, str(future), metadata={**predictor.meta, "format": "99"})
+    with pytest.raises(UserError, match="format '99'"):
+        load(future, key, "kvzap")
+    data = bytearray(result.path.read_bytes())
+    data[-5] ^= 0x40  # a weight's byte
+    flipped = tmp_path / "flipped.safetensors"
+    flipped.write_bytes(bytes(data))
+    with pytest.raises(UserError, match="damaged"):
+        load(flipped, key, "kvzap")
+    cut = tmp_path / "cut.safetensors"
+    cut.write_bytes(result.path.read_bytes()[:100])
+    with pytest.raises(UserError, match="not a readable predictor"):
+        load(cut, key, "kvzap")
+    with pytest.raises(UserError, match="not 'other'"):
+        load(result.path, key, "other")
+
+
+def test_kvstack_train_cli_trains_resumes_and_refuses_bad_names(tiny_folder, tmp_path):
+    runner = CliRunner()
+    args = ["train", "kvzap", "--model", str(tiny_folder), "--texts", "2", "--held", "1", "--tokens", "64"]
+    args += ["--hidden", "4", "--steps", "5", "--out", str(tmp_path / "p.safetensors")]
+    first = runner.invoke(app, args)
+    assert first.exit_code == 0, first.output
+    assert "held-out rows" in first.output and (tmp_path / "p.safetensors").exists()
+    second = runner.invoke(app, args)  # the teacher's scores are kept: the second run scores nothing again
+    assert second.exit_code == 0, second.output
+    bad = runner.invoke(app, ["train", "kvzapp", "--model", str(tiny_folder)])
+    assert bad.exit_code == 2 and "did you mean kvzap" in bad.output
+    bad = runner.invoke(app, ["train", "kvzap", "--model", str(tiny_folder), "--teacher", "kvzipp"])
+    assert bad.exit_code == 2 and "did you mean kvzip" in bad.output
+
+
+def test_context_features_by_hand():
+    keys = torch.tensor([[1.0, 0.0], [1.0, 0.0], [0.0, 2.0]])
+    x = features(keys, keys)  # (3, 2 + 2 + 4)
+    assert torch.allclose(x[:, :2], keys) and torch.allclose(x[:, 2:4], keys)
+    s5 = 5**0.5  # anchor (2/3, 1/3): cosines 2/sqrt(5), 2/sqrt(5), 1/sqrt(5); norms over their mean 4/3
+    assert torch.allclose(x[:, 4], torch.tensor([2 / s5, 2 / s5, 1 / s5]))
+    assert torch.allclose(x[:, 5], torch.tensor([0.75, 0.75, 1.5]).log())
+    masked = features(keys, keys, torch.tensor([True, True, False]))  # the anchor and mean norm of the first two
+    assert torch.allclose(masked[:, 4], torch.tensor([1.0, 1.0, 0.0]), atol=1e-6)
+    assert torch.allclose(masked[:, 5], torch.tensor([1.0, 1.0, 2.0]).log())
+
+
+@pytest.mark.slow
+def test_training_text_never_appears_in_a_benchmark_haystack():
+    """The addresses `kvstack train` learns on (the newest State of the Union rows) share no run of
+    12 words with any text a benchmark task draws its contexts from."""
+    from kvstack.bench.data import counterfactual_nq, paul_graham_essays, state_of_the_union
+    from kvstack.bench.tasks.needle import python_docs_words
+    from kvstack.bench.tasks.ruler import NOISE
+
+    def shingles(words: list[str], n: int = 12) -> set[tuple[str, ...]]:
+        return {tuple(words[i : i + n]) for i in range(len(words) - n + 1)}
+
+    bench = shingles(python_docs_words()) | shingles(NOISE.split())
+    for text in paul_graham_essays() + [row["context"] for row in counterfactual_nq()]:
+        bench |= shingles(text.split())
+    training = state_of_the_union()[-(16 + 2) :]  # `kvstack train`'s default texts and held-out rows
+    shared = [s for text in training for s in shingles(text.split()) if s in bench]
+    assert not shared, shared[:3]
+    assert len(bench) > 100_000  # the corpora were read
