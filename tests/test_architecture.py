@@ -37,7 +37,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "methods",
         tuple(
             f"kvstack.methods.{family}"
-            for family in ("evict", "learned", "allocate", "quantize", "merge", "lowrank", "crosslayer")
+            for family in ("evict", "learned", "retrieve", "allocate", "quantize", "merge", "lowrank", "crosslayer")
         ),
     ),
     ("stack", ("kvstack.stack",)),

@@ -144,3 +144,16 @@ def test_bad_task_files_name_the_line_and_the_fix(tmp_path, text, message):
         load_task_file(path)
     with pytest.raises(UserError, match="does not exist"):
         load_task_file(tmp_path / "nope.jsonl")
+
+
+def test_multiturn_asks_each_fact_after_the_turns_before_it():
+    from kvstack.bench.runner import _prose
+    from kvstack.bench.tasks.multiturn import multiturn
+
+    s = multiturn(1, 1200, words, 0, _prose(), turns=4)
+    assert s.task == "niah_multiturn" and len(s.questions) == 4
+    answers = [q.answers[0] for q in s.questions]
+    assert len(set(answers)) == 4 and all(a in s.context for a in answers)  # four facts, all in the context
+    for i, q in enumerate(s.questions):  # turn i carries the earlier turns with their answers, not its own
+        assert all(f"is {a}." in q.question for a in answers[:i]) and answers[i] not in q.question
+        assert q.question.count("What is the special magic number") == i + 1

@@ -38,7 +38,7 @@ AGNOSTIC_HELP = "compress the context before the question is seen (reusable cont
 # the benchmark's tasks (kvstack.bench.runner.ALL_TASKS; spelled out so `--help` imports no torch)
 TASK_NAMES = (
     "niah_single, niah_single_prose, niah_single_essays, niah_multikey, niah_multivalue, niah_multiquery, "
-    "vt, cwe, qa, reuse, fidelity"
+    "niah_multiturn, vt, cwe, qa, reuse, fidelity"
 )
 
 
@@ -151,8 +151,13 @@ def generate(
         f"(ratio {payload['kv_ratio']:.3f}, peak {payload['peak_kv_bytes'] / 2**20:.2f} MiB); "
         f"context {payload['context_tokens']} tokens; prefill "
         f"{payload['prefill_s']:.2f}s, compress {payload['compress_s']:.3f}s, decode "
-        f"{payload['decode_tokens_per_s']:.1f} tok/s",
+        f"{payload['decode_tokens_per_s']:.1f} tok/s"
     )
+    if payload["offloaded_bytes"]:
+        summary += (
+            f"; slow tier {payload['offloaded_bytes'] / 2**20:.2f} MiB on disk, "
+            f"{payload['fetched_bytes_per_step'] / 2**10:.0f} KiB read back per token"
+        )
     print_answer(payload, as_json, summary)
 
 

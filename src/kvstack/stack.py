@@ -73,6 +73,13 @@ class Stack:
         if len(joiners) > 1:
             raise UserError(f"'{spec}' stacks two cross-layer stages: keep one")
         stack = cls(stages)
+        retriever = stack.retriever
+        if retriever is not None and (storing or joiners):
+            other = (storing or joiners)[0].name
+            raise UserError(
+                f"'{spec}': {retriever.name} keeps the tokens it lets go in full precision in its slow tier, which "
+                f"{other} cannot code yet: drop {other}"
+            )
         if stack.merger is not None and stack.compensates:
             raise UserError(f"'{spec}': razor's compensation token and merging both fold evicted tokens: keep one")
         if (storing or joiners) and stack.compensates:
@@ -97,6 +104,12 @@ class Stack:
             if isinstance(stage, Method):
                 return stage if stage.compresses else None
         return None
+
+    @property
+    def retriever(self) -> Any:
+        """The stage that moves what it does not keep resident to a slow tier and retrieves from it
+        at each attention call (`methods/retrieve/`), or None."""
+        return next((s for s in self.selection if s.plays("retriever")), None)
 
     @property
     def cadence(self) -> Method | None:

@@ -20,6 +20,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from kvstack.bench.score import digit_partial, string_match_all
 from kvstack.bench.store import Cell, Row, Store
 from kvstack.bench.tasks.custom import OWN_LENGTH, load_task_file
+from kvstack.bench.tasks.multiturn import multiturn
 from kvstack.bench.tasks.needle import python_docs_words
 from kvstack.bench.tasks.reuse import reuse
 from kvstack.bench.tasks.ruler import (
@@ -84,6 +85,7 @@ TASKS: dict[str, TaskFn] = {
     "niah_multikey": partial(niah, "niah_multikey", keys=4),
     "niah_multivalue": partial(niah, "niah_multivalue", values=4),
     "niah_multiquery": partial(niah, "niah_multiquery", keys=4, queries=2),
+    "niah_multiturn": lambda i, n, count, seed: multiturn(i, n, count, seed, _prose()),
     "vt": variable_tracking,
     "cwe": common_words,
     "qa": _qa,

@@ -21,6 +21,7 @@ from kvstack.cache.encoded import Turned
 if TYPE_CHECKING:
     from kvstack.cache.cache import KVCache
     from kvstack.cache.layer import CompressedLayer, Part
+    from kvstack.cache.tier import Fetched
 
 ATTENTION = "kvstack"
 
@@ -203,6 +204,11 @@ def kvstack_attention(
         out = _attend_fresh(query, *view.fresh, view.query_slots, padding, sliding_window, scale)
         cache.observe(layer, query, view.query_slots, padding, sliding_window, scale)
         return out, None
+    fetched = cache.retrieve(layer, query) if layer.tier is not None else None
+    if fetched is not None:  # a retriever brought pages of the slow tier back for this call
+        out = _attend_retrieved(query, layer, fetched, view.query_slots, padding, sliding_window, scale)
+        cache.observe(layer, query, view.query_slots, padding, sliding_window, scale)
+        return out, None
     alike = layer.layer_kv() if query.shape[2] <= FEW_QUERIES else None
     if alike is not None:  # every head holds the same tokens' shapes: one call for the layer
         keys, values = alike
@@ -245,6 +251,40 @@ def _attend_fresh(
     else:
         mask = head_mask(slots, slots, padding, window)  # (b or 1, 1, q, q), the same for every head
         out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+    return out.transpose(1, 2).contiguous()
+
+
+def _attend_retrieved(
+    query: torch.Tensor,
+    layer: CompressedLayer,
+    fetched: Fetched,
+    query_slots: torch.Tensor,
+    padding: torch.Tensor | None,
+    window: int | None,
+    scale: float,
+) -> torch.Tensor:
+    """Per KV head h: its queries (b, g, q, d) attend the pages brought back from the slow tier
+    (fetched keys, values (b, h, n, d), slots (b, h, n), -1 for empty entries) and the resident
+    tokens as one set, masked by slot (causality, padding, window). Returns (b, q, h*g, d)."""
+    b, n_q_heads, q, _ = query.shape
+    g = n_q_heads // layer.n_kv_heads
+    out: torch.Tensor | None = None
+    for h in range(layer.n_kv_heads):
+        qh = query[:, h * g : (h + 1) * g]
+        resident_slots = layer.head_slots(h)
+        slots = torch.cat([fetched.slots[:, h].long(), resident_slots.expand(b, -1).long()], dim=1)
+        keys = torch.cat([fetched.keys[:, h].to(qh.dtype), layer.head_keys(h).to(qh.dtype)], dim=1)  # (b, t, d)
+        values = torch.cat([fetched.values[:, h], layer.head_values(h)], dim=1)
+        if out is None:
+            out = query.new_empty(b, n_q_heads, q, values.shape[-1])
+        mask = head_mask(slots, query_slots, padding, window)  # (b, 1, q, t)
+        if q <= FEW_QUERIES:
+            out[:, h * g : (h + 1) * g] = few_queries(qh, [keys.unsqueeze(1)], [values.unsqueeze(1)], mask, None, scale)
+        else:
+            out[:, h * g : (h + 1) * g] = F.scaled_dot_product_attention(
+                qh, keys.unsqueeze(1), values.unsqueeze(1).to(qh.dtype), attn_mask=mask, scale=scale, enable_gqa=True
+            )
+    assert out is not None
     return out.transpose(1, 2).contiguous()
 
 

@@ -23,6 +23,7 @@ from kvstack.cache.hidden import install
 from kvstack.cache.layer import CompressedLayer, storage_bytes
 from kvstack.cache.saved import save
 from kvstack.cache.sequence import SequenceState
+from kvstack.cache.tier import Fetched
 from kvstack.models.config import head_dim as model_head_dim
 from kvstack.models.config import text_config
 from kvstack.models.rope import layer_frequencies
@@ -92,6 +93,8 @@ class KVCache(Cache):
         self.reread_s = 0.0  # seconds of KVzip's re-reading pass over the prompt
         self.holding = False  # inside `held()`: layers compress only when the block ends
         self.last_logits: torch.Tensor | None = None  # (b, vocab) after the last token, when loaded from a file
+        self.working_nbytes = 0  # the most bytes a retriever brought back for one attention call
+        self.fetched_nbytes = 0  # bytes read back from slow tiers, all calls
         self.policy = Policy(self, self.stack, self.budget, model_or_config, head_dim)  # decides what is kept
         if "hidden_cosine" in self.needs and hasattr(model_or_config, "config"):
             install(model_or_config)  # hooks that measure the hidden states (SqueezeAttention)
@@ -116,6 +119,21 @@ class KVCache(Cache):
         # a layer's first chunk holds exactly these tensors: attention may read them as they came
         view = LayerView(layer, self, slots, (key_states, value_states) if fresh else None)
         return view, view
+
+    def retrieve(self, layer: CompressedLayer, query: torch.Tensor) -> Fetched | None:
+        """Pages of `layer`'s slow tier brought back for `query` (b, h*g, q, d), on its device, or
+        None without a tier; their bytes are counted as resident while attention reads them."""
+        fetched = self.policy.retrieve(layer, query)
+        if fetched is None:
+            return None
+        self.fetched_nbytes += fetched.nbytes
+        held = storage_bytes([fetched.keys, fetched.values, fetched.slots])
+        self.working_nbytes = max(self.working_nbytes, held)
+        device = layer.keys[0].device
+        if fetched.keys.device != device:
+            fetched.keys, fetched.values = fetched.keys.to(device), fetched.values.to(device)
+            fetched.slots = fetched.slots.to(device)
+        return fetched
 
     @property
     def plan(self) -> Any:
@@ -263,7 +281,11 @@ class KVCache(Cache):
     def nbytes(self) -> int:
         """Bytes the cache really holds for attention, read off its tensors' storage (storage
         shared by several layers counted once)."""
-        return storage_bytes([t for layer in self.layers for t in layer.tensors()])
+        return storage_bytes([t for layer in self.layers for t in layer.tensors()]) + self.working_nbytes
+
+    def offloaded_nbytes(self) -> int:
+        """Bytes the slow tiers hold on disk (a retriever's tokens), outside `nbytes()`."""
+        return sum(layer.tier.offloaded_nbytes() for layer in self.layers if layer.tier is not None)
 
     def aux_nbytes(self) -> int:
         """Bytes of method state (observed queries, attention statistics) on top of `nbytes()`."""

@@ -24,6 +24,7 @@ from kvstack.cache.encoded import Codec, Encoded, Turned, Where, gather_rows
 from kvstack.cache.heads import PerHead
 from kvstack.cache.keep import Keep
 from kvstack.cache.sequence import SequenceState
+from kvstack.cache.tier import Tier
 
 SLOT_DTYPE = torch.int32
 WEIGHT = "log_count"  # per-token statistic: log of how many tokens a merged entry stands for
@@ -72,6 +73,7 @@ class CompressedLayer:
         self.comp_slot: torch.Tensor | None = None
         self.comp_count: torch.Tensor | None = None
         self.next_check = -1  # while decoding, no head exceeds its share up to this slot (KVCache._maintain)
+        self.tier: Tier | None = None  # tokens a retrieval method moved out, and their resident index
 
     # ---- reading -------------------------------------------------------------------------
     @property
@@ -242,7 +244,8 @@ class CompressedLayer:
         comp = [t for t in (self.comp_slot, self.comp_count) if t is not None]
         coded = [t for parts in self.coded for c in parts for t in c.tensors()]
         weight = self.stats.get(WEIGHT, [])
-        return [*self.keys, *self.values, *coded, *(self.slots or []), *comp, *weight]
+        tier = self.tier.tensors() if self.tier is not None else []
+        return [*self.keys, *self.values, *coded, *(self.slots or []), *comp, *weight, *tier]
 
     def head_nbytes(self, h: int) -> int:
         """Bytes of storage head h keeps alive (tables shared by heads, such as codebooks, included)."""
@@ -542,6 +545,7 @@ class CompressedLayer:
         new.keys, new.values = self.keys, self.values  # never written in place: shared until replaced
         new.coded = [list(parts) for parts in self.coded]
         new.slots = list(self.slots) if self.slots is not None else None
+        new.tier = self.tier.copy() if self.tier is not None else None
         new.stats = {name: list(per_head) for name, per_head in self.stats.items() if name in needs | {WEIGHT}}
         if query_window <= 0 or self.queries is None:
             new.queries, new.query_slots = None, None
@@ -566,3 +570,5 @@ class CompressedLayer:
             self.queries = self.queries[index]
         if self.comp_slot is not None and self.comp_count is not None:
             self.comp_slot, self.comp_count = self.comp_slot[index], self.comp_count[index]
+        if self.tier is not None:
+            self.tier = self.tier.select_batch(index)

@@ -21,13 +21,15 @@ if TYPE_CHECKING:
     from kvstack.cache.layer import CompressedLayer
 
 
-SELECTION = ("evict", "reference", "allocate", "merge", "auto")  # families of stages that choose the tokens kept
+# families of stages that choose the tokens kept
+SELECTION = ("evict", "retrieve", "reference", "allocate", "merge", "auto")
 # what a stage does in a stack, declared by its classes' `role` (a stage may play several):
 # scorer (scores tokens), allocator (splits the budget), storer (codes kept tokens), merger (folds
 # the tokens a selection leaves out into kept ones), demoter (keeps them at low precision instead),
 # folder (averages them into one compensation token), joiner (shares state across layers),
-# planner (decides the whole stack per head from one byte budget)
-ROLES = ("scorer", "allocator", "storer", "merger", "demoter", "folder", "joiner", "planner")
+# planner (decides the whole stack per head from one byte budget), retriever (moves the tokens it
+# does not keep resident to a slow tier and brings back, per attention call, what the queries need)
+ROLES = ("scorer", "allocator", "storer", "merger", "demoter", "folder", "joiner", "planner", "retriever")
 # ranges of the integer parameters many stages share, checked when a spec is parsed (`Stack.parse`);
 # a stage checks its own parameters, and tighter ranges, in its __post_init__
 RANGES = {
@@ -42,6 +44,7 @@ RANGES = {
     "chunk_size": (1, 65536),
     "chunk": (1, 65536),
     "page": (1, 65536),
+    "select": (1, 1 << 20),
     "sinks": (0, 65536),
 }
 

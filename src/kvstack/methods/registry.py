@@ -9,7 +9,8 @@ from kvstack.errors import unknown_name
 from kvstack.methods.base import Stage
 
 METHODS: dict[str, type[Stage]] = {}
-FAMILIES = ("evict", "learned", "allocate", "quantize", "merge", "lowrank", "crosslayer")  # folders of methods/
+# folders of methods/
+FAMILIES = ("evict", "learned", "retrieve", "allocate", "quantize", "merge", "lowrank", "crosslayer")
 _LOADED: list[bool] = []
 
 

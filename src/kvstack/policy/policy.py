@@ -16,9 +16,11 @@ import torch
 from kvstack.cache.budget import Budget
 from kvstack.cache.compensation import compensation_mask, fold
 from kvstack.cache.statistics import PROMPT_PASSES
+from kvstack.cache.tier import Fetched, Tier
 from kvstack.errors import UserError
 from kvstack.methods.base import Method, Observation, decode_block, recent_mask
 from kvstack.methods.merge.base import merge_states
+from kvstack.methods.retrieve.base import resident_share
 from kvstack.methods.select import select
 from kvstack.policy.shares import Shares
 from kvstack.stack import Stack
@@ -54,6 +56,7 @@ class Policy:
         planner = stack.planner
         if planner is not None:  # `auto` measures the model once and decides at the first compression
             self.shares.planner = planner.planner(source)
+        self.fetch_pages: dict[int, int] = {}  # layer -> tier pages each head brings back per call
 
     def check_alone(self, quantizer: Any, head_dim: int, source: Any) -> None:
         """One-line error when a stack that keeps every token (a quantizer without eviction, or
@@ -149,6 +152,8 @@ class Policy:
             self.encode(layer)
             return
         keep = method.limit(self.shares.keep_allowed(layer), decoding, self.cache.confidence)
+        if self.stack.retriever is not None:
+            keep = self.resident(layer, keep)
         counts = layer.counts(exclude_demoted=self.stack.demotes)
         if any(a.splits for a in self.stack.allocators):  # heads share the layer's total: compare totals
             over = counts.sum(-1) > keep.sum(-1)  # (b,)
@@ -160,6 +165,36 @@ class Policy:
         if self.shares_only_grow:  # each step adds at most one token per head: skip the checks until then
             layer.next_check = layer.seen + int((keep - counts).min())
         self.encode(layer)
+
+    def resident(self, layer: CompressedLayer, keep: torch.Tensor) -> torch.Tensor:
+        """(b, h) tokens a head of `layer` keeps resident under a retriever, its budget's `keep`
+        less the slow tier's index and the pages it brings back (`resident_share`). A sliding
+        layer keeps no tier: what leaves its window is never attended again."""
+        retriever = self.stack.retriever
+        if layer.is_sliding:
+            return keep
+        full_layers = sum(not other.is_sliding for other in self.cache.layers)
+        room = self.shares.room(layer, layer.seen, layer)[0]
+        d = layer.keys[0].shape[-1]
+        index_bytes = 2 * d * layer.keys[0].dtype.itemsize  # a page's key minimum and maximum
+        keep, pages = resident_share(
+            keep, room, retriever.page, retriever.select, layer.token_bytes(), index_bytes, full_layers
+        )
+        self.fetch_pages[layer.layer_idx] = pages
+        return keep
+
+    def retrieve(self, layer: CompressedLayer, query: torch.Tensor) -> Fetched | None:
+        """The pages of `layer`'s slow tier its retriever ranks best for `query` (b, h*g, q, d),
+        read back for this attention call; None when the layer has no tier."""
+        tier, retriever = layer.tier, self.stack.retriever
+        k = min(self.fetch_pages.get(layer.layer_idx, 0), tier.n_pages if tier is not None else 0)
+        if tier is None or retriever is None or k == 0:
+            return None
+        b, hg, q, d = query.shape
+        grouped = query.reshape(b, tier.heads, (hg // tier.heads) * q, d)
+        ranks = retriever.rank(grouped, tier.lo, tier.hi).masked_fill(~tier.page_valid(), float("-inf"))
+        pages = torch.sort(ranks.topk(k, dim=-1).indices, dim=-1).values  # (b, h, k) in page order
+        return tier.fetch(pages)
 
     @cached_property
     def shares_only_grow(self) -> bool:
@@ -175,6 +210,7 @@ class Policy:
             and not self.stack.allocators
             and not self.stack.demotes
             and not self.stack.compensates
+            and self.stack.retriever is None  # its index grows with the tokens it lets go
             and all(type(m).limit is Method.limit for m in evictor.chain() if isinstance(m, Method))
         )
 
@@ -244,7 +280,8 @@ class Policy:
         keep = torch.where(over, keep, counts)
         obs.keep = keep
         decision = select(scores, obs.valid, obs.slots, keep, protected)
-        if folding or self.stack.merger is not None:
+        retriever = self.stack.retriever
+        if folding or self.stack.merger is not None or retriever is not None:
             kept = torch.zeros_like(obs.valid)
             real = torch.arange(decision.index.shape[-1], device=kept.device) < decision.count.unsqueeze(-1)
             kept.scatter_(-1, decision.index, real)
@@ -253,6 +290,11 @@ class Policy:
             dense_keys, dense_values, dense_slots = obs.keys, obs.values, obs.slots
         if self.stack.merger is not None:
             self.merge(layer, obs, kept)
+        if retriever is not None and not layer.is_sliding:  # what is not kept resident moves to the slow tier
+            if layer.tier is None:
+                b, h, _, d = obs.keys.shape
+                layer.tier = Tier(b, h, d, layer.keys[0].dtype, retriever.page, obs.keys.device)
+            layer.tier.append(obs.keys, obs.values, obs.slots, obs.valid & ~kept)
         layer.apply(decision, self.shares.demote_codecs)
         if folding:
             fold(layer, dropped, dense_keys, dense_values, dense_slots)

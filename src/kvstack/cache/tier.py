@@ -1,0 +1,183 @@
+"""A slow tier for one layer: the tokens a retrieval method moved out of the resident cache.
+
+Tokens live in a file on disk (an unlinked temporary file: it leaves the process's memory, and
+the operating system frees it when the cache goes), in pages of `page` entries per sequence and
+KV head; what stays resident is a small index: each page's channel-wise key minimum and maximum
+(Quest's page summary, (b, h, P, d) each, in the model's dtype). A page's record holds its keys,
+then its values, then its entries' slots (int32); reading it is one `preadv` that scatters the
+three into the keys, values and slots of every page fetched at once (no copy after the read).
+
+File layout: page p of sequence b, head h is the record at ((p * B + b) * H + h) * record_bytes,
+so a head's pages grow without moving any other head's. Entries beyond a head's count are
+empty (slot -1, masked out by attention).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+
+import torch
+
+EMPTY_SLOT = -1
+
+
+def _raw(t: torch.Tensor) -> bytes:
+    """The bytes of a CPU tensor, in its dtype's layout."""
+    return t.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+@dataclass
+class Fetched:
+    """Pages brought back for one attention call: keys, values (b, h, n, d), slots (b, h, n) int32
+    (-1 where an entry is empty), and the bytes read from the file."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    slots: torch.Tensor
+    nbytes: int
+
+
+class Tier:
+    """The slow tier of one layer (see module docstring): `append` moves tokens in, `index` ranks
+    pages, `fetch` reads the chosen ones back."""
+
+    def __init__(
+        self, batch: int, heads: int, head_dim: int, dtype: torch.dtype, page: int, device: torch.device | str = "cpu"
+    ) -> None:
+        self.batch, self.heads, self.head_dim, self.dtype, self.page = batch, heads, head_dim, dtype, page
+        self.count = torch.zeros(batch, heads, dtype=torch.long)  # entries per (b, h), on the CPU
+        # the resident index, on the model's device: (b, h, P, d) per page key minimum and maximum
+        self.lo = torch.zeros(batch, heads, 0, head_dim, dtype=dtype, device=device)
+        self.hi = torch.zeros(batch, heads, 0, head_dim, dtype=dtype, device=device)
+        self.vector_bytes = head_dim * dtype.itemsize  # one key (or value)
+        self.token_bytes = 2 * self.vector_bytes + 4  # key, value, int32 slot
+        self.half = page * self.vector_bytes  # a page's keys (or values)
+        self.record_bytes = page * self.token_bytes
+        self.file = tempfile.TemporaryFile(prefix="kvstack-tier-")
+        self.read_bytes = 0  # bytes read back from the file so far
+        self.written_bytes = 0
+
+    # ---- geometry --------------------------------------------------------------------------
+    @property
+    def pages(self) -> torch.Tensor:
+        """(b, h) pages each head has filled (the last one maybe in part)."""
+        return (self.count + self.page - 1) // self.page
+
+    @property
+    def n_pages(self) -> int:
+        """Pages of the longest head: the index's length P."""
+        return int(self.lo.shape[2])
+
+    def _offset(self, p: int, b: int, h: int) -> int:
+        return ((p * self.batch + b) * self.heads + h) * self.record_bytes
+
+    # ---- writing ---------------------------------------------------------------------------
+    def append(self, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, moved: torch.Tensor) -> None:
+        """Move the tokens where `moved` (b, h, t) is True into the tier, in slot order per head:
+        keys, values (b, h, t, d) in the model's dtype, slots (b, h, t)."""
+        counts = moved.sum(-1).cpu()
+        if not bool(counts.any()):
+            return
+        new_count = self.count + counts
+        self._grow(int(((new_count + self.page - 1) // self.page).max()))
+        fd = self.file.fileno()
+        for b in range(self.batch):
+            for h in range(self.heads):
+                if not int(counts[b, h]):
+                    continue
+                take = moved[b, h].nonzero().squeeze(-1)
+                take = take[torch.argsort(slots[b, h, take], stable=True)]
+                k = keys[b, h, take].to(self.dtype).cpu()
+                v = values[b, h, take].to(self.dtype).cpu()
+                s = slots[b, h, take].to(torch.int32).cpu()
+                at = int(self.count[b, h])
+                done = 0
+                while done < len(take):  # page by page: fill the current page, then the next
+                    p, inside = divmod(at + done, self.page)
+                    n = min(self.page - inside, len(take) - done)
+                    kp, vp = k[done : done + n], v[done : done + n]
+                    record = self._offset(p, b, h)
+                    at_k = record + inside * self.vector_bytes
+                    os.pwrite(fd, _raw(kp), at_k)
+                    os.pwrite(fd, _raw(vp), at_k + self.half)
+                    os.pwrite(fd, _raw(s[done : done + n]), record + 2 * self.half + 4 * inside)
+                    self.written_bytes += n * self.token_bytes
+                    lo, hi = kp.amin(0), kp.amax(0)
+                    lo, hi = lo.to(self.lo.device), hi.to(self.lo.device)
+                    if inside:  # the page already summarises earlier entries
+                        lo, hi = torch.minimum(lo, self.lo[b, h, p]), torch.maximum(hi, self.hi[b, h, p])
+                    self.lo[b, h, p], self.hi[b, h, p] = lo, hi
+                    done += n
+        self.count = new_count
+
+    def _grow(self, pages: int) -> None:
+        """Make the index hold `pages` pages per head (zeros for pages not yet written)."""
+        extra = pages - self.n_pages
+        if extra > 0:
+            pad = self.lo.new_zeros(self.batch, self.heads, extra, self.head_dim)
+            self.lo, self.hi = torch.cat([self.lo, pad], dim=2), torch.cat([self.hi, pad], dim=2)
+
+    # ---- reading ---------------------------------------------------------------------------
+    def fetch(self, pages: torch.Tensor) -> Fetched:
+        """Read pages (b, h, k) (indices; a page a head has not filled comes back empty) back
+        from the file: one `preadv` per page into one buffer, then views of it."""
+        b, h, k = pages.shape
+        n = k * self.page
+        keys = torch.empty(b, h, n, self.head_dim, dtype=self.dtype)
+        values = torch.empty_like(keys)
+        slots = torch.full((b, h, n), EMPTY_SLOT, dtype=torch.int32)
+        views = [memoryview(t.view(torch.uint8).numpy()).cast("B") for t in (keys, values, slots)]
+        fd, chosen, filled = self.file.fileno(), pages.cpu(), self.pages
+        read = 0
+        for bi in range(b):
+            for hi in range(h):
+                for j in range(k):
+                    p, row = int(chosen[bi, hi, j]), (bi * h + hi) * k + j  # the page's place among those fetched
+                    if p >= int(filled[bi, hi]):
+                        continue
+                    kv = slice(row * self.half, (row + 1) * self.half)
+                    at = slice(row * 4 * self.page, (row + 1) * 4 * self.page)
+                    read += os.preadv(fd, [views[0][kv], views[1][kv], views[2][at]], self._offset(p, bi, hi))
+        self.read_bytes += read
+        entry = chosen[..., None] * self.page + torch.arange(self.page)  # (b, h, k, page) entry numbers
+        unfilled = (entry >= self.count[..., None, None]).reshape(b, h, n)
+        slots.masked_fill_(unfilled, EMPTY_SLOT)  # entries past a head's count (a page in part, or none)
+        return Fetched(keys, values, slots, read)
+
+    def page_valid(self) -> torch.Tensor:
+        """(b, h, P) True for pages a head has filled (on the index's device)."""
+        return (torch.arange(self.n_pages) < self.pages.unsqueeze(-1)).to(self.lo.device)
+
+    # ---- bookkeeping -----------------------------------------------------------------------
+    def tensors(self) -> list[torch.Tensor]:
+        """What stays resident: the page index and the entry counts."""
+        return [self.lo, self.hi, self.count]
+
+    def offloaded_nbytes(self) -> int:
+        """Bytes the file holds for filled entries (keys, values and slots)."""
+        return int(self.count.sum()) * self.token_bytes
+
+    def copy(self) -> Tier:
+        """A tier that evolves on its own: the file copied, the index cloned."""
+        new = Tier(self.batch, self.heads, self.head_dim, self.dtype, self.page, self.lo.device)
+        self.file.seek(0)
+        while chunk := self.file.read(1 << 24):
+            new.file.write(chunk)
+        new.file.flush()
+        new.count, new.lo, new.hi = self.count.clone(), self.lo.clone(), self.hi.clone()
+        return new
+
+    def select_batch(self, index: torch.Tensor) -> Tier:
+        """A tier holding only the sequences in `index` (b',), in that order."""
+        rows = index.cpu().tolist()
+        new = Tier(len(rows), self.heads, self.head_dim, self.dtype, self.page, self.lo.device)
+        new._grow(self.n_pages)
+        fd, out = self.file.fileno(), new.file.fileno()
+        for nb, b in enumerate(rows):
+            for h in range(self.heads):
+                for p in range(int(self.pages[b, h])):
+                    os.pwrite(out, os.pread(fd, self.record_bytes, self._offset(p, b, h)), new._offset(p, nb, h))
+        new.count, new.lo, new.hi = self.count[rows].clone(), self.lo[index].clone(), self.hi[index].clone()
+        return new

@@ -1,0 +1,180 @@
+"""Retrieval (`quest`): the slow tier on disk, its page index, page ranking, and the cache that
+attends resident tokens plus the pages brought back."""
+
+import gc
+import os
+import re
+
+import pytest
+import torch
+
+from helpers import ids_of
+from kvstack.cache.cache import KVCache
+from kvstack.cache.tier import EMPTY_SLOT, Tier
+from kvstack.errors import UserError
+from kvstack.generate import Runner
+from kvstack.methods.retrieve.base import resident_share
+from kvstack.methods.retrieve.quest import Quest
+from kvstack.policy import policy as policy_module
+from kvstack.stack import Stack
+from test_cache import prompt
+
+
+def _tier(keys: torch.Tensor, page: int) -> Tier:
+    """A tier of one sequence and head holding keys (t, d) (values = -keys) at slots 10, 11, ..."""
+    t, d = keys.shape
+    tier = Tier(1, 1, d, keys.dtype, page)
+    slots = torch.arange(10, 10 + t)[None, None]
+    tier.append(keys[None, None], -keys[None, None], slots, torch.ones(1, 1, t, dtype=torch.bool))
+    return tier
+
+
+def test_page_index_by_hand():
+    keys = torch.tensor([[1.0, -2.0], [3.0, 0.0], [-1.0, 5.0], [2.0, 2.0], [0.0, -4.0]])
+    tier = _tier(keys, page=2)
+    assert tier.count.tolist() == [[5]] and tier.pages.tolist() == [[3]]
+    assert tier.lo[0, 0].tolist() == [[1.0, -2.0], [-1.0, 2.0], [0.0, -4.0]]
+    assert tier.hi[0, 0].tolist() == [[3.0, 0.0], [2.0, 5.0], [0.0, -4.0]]
+    # a second append fills the last page first, and its summary takes the new key in
+    more = torch.tensor([[-3.0, 1.0]])
+    tier.append(more[None, None], -more[None, None], torch.tensor([[[20]]]), torch.ones(1, 1, 1, dtype=torch.bool))
+    assert tier.pages.tolist() == [[3]]
+    assert tier.lo[0, 0, 2].tolist() == [-3.0, -4.0] and tier.hi[0, 0, 2].tolist() == [0.0, 1.0]
+
+
+def test_fetch_reads_back_what_was_written_and_marks_empty_entries():
+    keys = torch.arange(10.0).reshape(5, 2).to(torch.bfloat16)
+    tier = _tier(keys, page=2)
+    got = tier.fetch(torch.tensor([[[2, 0, 7]]]))  # page 2 in part, page 0 whole, page 7 never written
+    assert got.slots.tolist() == [[[14, EMPTY_SLOT, 10, 11, EMPTY_SLOT, EMPTY_SLOT]]]
+    assert torch.equal(got.keys[0, 0, 0], keys[4]) and torch.equal(got.keys[0, 0, 2:4], keys[:2])
+    assert torch.equal(got.values[0, 0, 2:4], -keys[:2])
+    last = os.fstat(tier.file.fileno()).st_size - 2 * tier.record_bytes  # the file ends inside page 2
+    assert got.nbytes == tier.record_bytes + last  # pages 0 and 2 read, the unwritten one skipped
+    assert tier.offloaded_nbytes() == 5 * (2 * 2 * 2 + 4)
+
+
+def test_quest_bound_by_hand_and_selection_equals_exact_top_pages():
+    lo = torch.tensor([[[[1.0, -2.0], [0.0, 0.0]]]])
+    hi = torch.tensor([[[[3.0, 1.0], [2.0, 4.0]]]])
+    q = torch.tensor([[[[1.0, -1.0]]]])  # bound: max(1*1, 1*3) + max(-1*-2, -1*1) = 3 + 2; then 2 + 0
+    assert Quest().rank(q, lo, hi).tolist() == [[[5.0, 2.0]]]
+    # pages of identical keys: the bound is the exact largest logit, so the top pages are exact
+    gen = torch.Generator().manual_seed(0)
+    per_page = torch.randn(12, 8, generator=gen)
+    keys = per_page.repeat_interleave(4, dim=0)  # (48, 8), page = 4 tokens of one key
+    tier = _tier(keys, page=4)
+    query = torch.randn(1, 1, 3, 8, generator=gen)  # 3 query heads of the group share a selection
+    ranks = Quest().rank(query, tier.lo.float(), tier.hi.float())
+    exact = (query[0, 0] @ keys.T).amax(0).view(12, 4).amax(-1)
+    assert set(ranks[0, 0].topk(3).indices.tolist()) == set(exact.topk(3).indices.tolist())
+
+
+def test_resident_share_by_hand():
+    # keep 100 tokens of 20 bytes; 640 tokens may leave: 40 pages of 16, index 10 bytes per page
+    # -> 20 tokens + 1; 79 left, half of it (39) for fetched pages over 4 layers: 156 tokens,
+    # capped by select 64 -> 4 pages, 16 tokens per layer
+    keep, pages = resident_share(torch.tensor([[100, 100]]), torch.tensor([640]), 16, 64, 20, 10, 4)
+    assert pages == 4 and keep.tolist() == [[63, 63]]
+    keep, pages = resident_share(torch.tensor([[30]]), torch.tensor([640]), 16, 64, 20, 10, 4)
+    assert pages == 1 and keep.tolist() == [[5]]  # 9 left: 4 x 4 layers = one page, 4 tokens per layer
+    keep, pages = resident_share(torch.tensor([[25]]), torch.tensor([640]), 16, 64, 20, 10, 4)
+    assert pages == 0 and keep.tolist() == [[4]]  # too little left to fetch a page: streaming alone
+
+
+def test_retrieving_every_page_gives_the_full_cache(llama, monkeypatch):
+    """With every page of the tier brought back, attention sees every token: the full cache's logits."""
+    share = policy_module.resident_share
+    monkeypatch.setattr(policy_module, "resident_share", lambda *a: (share(*a)[0], 10**6))
+    ctx = [prompt(90), prompt(70, seed=3)]
+    width = max(map(len, ctx))
+    ids = torch.tensor([[0] * (width - len(c)) + c for c in ctx])
+    mask = torch.tensor([[0] * (width - len(c)) + [1] * len(c) for c in ctx])
+    full, quest = Runner(llama, KVCache(llama, "full", 1.0)), Runner(llama, KVCache(llama, "quest(page=4)", 0.25))
+    full.forward(ids, mask)
+    quest.forward(ids, mask)
+    assert all(layer.tier is not None and int(layer.tier.count.min()) > 0 for layer in quest.cache.layers)
+    for step in prompt(6, seed=5):
+        nxt = torch.tensor([[step], [step]])
+        a, b = full.forward(nxt, torch.ones_like(nxt)), quest.forward(nxt, torch.ones_like(nxt))
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+
+
+def test_resident_bytes_within_budget_at_every_step_of_a_long_generation(llama):
+    cache = KVCache(llama, "quest(page=8, select=64)", 0.25)
+    runner = Runner(llama, cache)
+    runner.forward(torch.tensor([prompt(200)]), torch.ones(1, 200, dtype=torch.long))
+    assert cache.nbytes() <= 0.25 * cache.full_nbytes()
+    fetched = 0
+    for t in prompt(512, seed=7):
+        runner.forward(torch.tensor([[t]]), torch.ones(1, 1, dtype=torch.long))
+        assert cache.nbytes() <= 0.25 * cache.full_nbytes()
+        fetched = cache.fetched_nbytes
+    assert fetched > 0 and cache.working_nbytes > 0  # pages really came back while decoding
+    assert cache.offloaded_nbytes() > 2 * cache.nbytes()  # most tokens live in the slow tier
+    held = sum(int(layer.counts().sum()) + int(layer.tier.count.sum()) for layer in cache.layers)
+    assert held == len(cache.layers) * llama.config.num_key_value_heads * 712  # nothing was dropped
+
+
+def _rss() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS"))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads RSS from /proc")
+def test_the_slow_tier_leaves_memory():
+    tier = Tier(1, 4, 128, torch.bfloat16, 16)
+    gc.collect()
+    before = _rss()
+    chunk = 8192
+    for start in range(0, 160 * 1024, chunk):  # 160k tokens x 4 heads x 516 bytes: 338 MB to the file
+        kv = torch.randn(1, 4, chunk, 128, dtype=torch.bfloat16)
+        slots = torch.arange(start, start + chunk).expand(1, 4, chunk)
+        tier.append(kv, kv, slots, torch.ones(1, 4, chunk, dtype=torch.bool))
+        del kv
+    gc.collect()
+    grown = _rss() - before
+    assert tier.offloaded_nbytes() > 300e6
+    index = sum(t.nbytes for t in tier.tensors())  # 1/16 of the keys, twice: ~21 MB
+    assert grown < index + 60e6, f"RSS grew {grown / 1e6:.0f} MB for {tier.offloaded_nbytes() / 1e6:.0f} MB offloaded"
+    got = tier.fetch(torch.tensor([[[0, 9999]]] * 4).view(1, 4, 2))
+    assert got.slots[0, 2].tolist()[:2] == [0, 1] and got.slots[0, 0, 16] == 9999 * 16
+
+
+def test_agnostic_questions_work_and_batches_equal_single_rows(llama):
+    rows = [(prompt(120), prompt(10, seed=4)), (prompt(90, seed=2), prompt(7, seed=6))]
+    both, measured = ids_of(llama, rows, "quest(page=8, select=32)", 0.3, agnostic=True)
+    for row, got in zip(rows, both, strict=True):
+        alone, _ = ids_of(llama, [row], "quest(page=8, select=32)", 0.3, agnostic=True)
+        assert alone[0] == got
+
+
+def test_stacks_a_retriever_cannot_join_are_refused():
+    with pytest.raises(UserError, match="drop kivi"):
+        Stack.parse("quest+kivi")
+    with pytest.raises(UserError):
+        Stack.parse("quest+snapkv")
+    with pytest.raises(UserError, match="scorer must be"):
+        Stack.parse("adakv(quest)")
+    with pytest.raises(UserError, match="select must be at least one page"):
+        Stack.parse("quest(page=32, select=16)")
+    assert Stack.parse("quest(kvzip)").retriever is not None
+
+
+def test_a_tiered_cache_refuses_to_save_in_one_line(llama, tmp_path):
+    cache = KVCache(llama, "quest(page=4, select=16)", 0.3)
+    Runner(llama, cache).forward(torch.tensor([prompt(80)]), torch.ones(1, 80, dtype=torch.long))
+    with pytest.raises(UserError, match="tier"):
+        cache.save(tmp_path / "c.safetensors")
+
+
+def test_generate_reports_the_slow_tier(tiny_folder, tmp_path):
+    from test_cli import run
+
+    path = tmp_path / "context.txt"
+    path.write_text("The code of the blue door is 4711. " * 30)
+    args = ["generate", "--model", str(tiny_folder), "--method", "quest(page=4, select=16)", "--budget", "0.3"]
+    code, out, err = run(*args, "-c", str(path), "-q", "What is the code?")
+    assert code == 0, err
+    line = " ".join(out.split())  # the terminal may wrap the summary
+    assert re.search(r"ratio 0\.2\d\d, .*slow tier [\d.]+ MiB on disk, \d+ KiB read back per token", line), line
