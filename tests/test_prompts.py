@@ -19,3 +19,11 @@ def test_a_base_model_gets_the_bos_it_asks_for():
     lm.tokenizer.bos_token = "<unk>"
     lm.add_bos = True
     assert build_prompt(lm, "sky", "?").context[0] == lm.tokenizer.bos_token_id
+
+
+def test_earlier_turns_come_before_the_question():
+    lm = tiny_loaded()
+    p = build_prompt(lm, "Ada is 3. Bo is 5.", "How old is Bo?", "Bo is", history=(("How old is Ada?", "Ada is 3."),))
+    enc = lm.tokenizer.encode
+    assert p.context == enc("Ada is 3. Bo is 5.\n\n")  # the context a query-agnostic cache compresses
+    assert p.question == enc("How old is Ada?\nAda is 3.\nHow old is Bo?\nBo is")

@@ -133,6 +133,10 @@ def test_prompts_split_context_from_question_inside_the_chat_template(smollm2):
     assert whole.startswith("<|im_start|>") and "The sky is green." in tok.decode(p.context)
     assert "What colour is the sky?" in tok.decode(p.question)
     assert whole.rstrip().endswith("assistant\nThe sky is")
+    turns = build_prompt(smollm2, "Ada is 3.", "And Bo?", "Bo is", history=(("How old is Ada?", "Ada is 3."),))
+    later = tok.decode(turns.question)  # earlier turns are chat turns after the context, before the question
+    assert tok.decode(turns.context).endswith("Ada is 3.\n\n") and later.startswith("How old is Ada?<|im_end|>")
+    assert "<|im_start|>assistant\nAda is 3.<|im_end|>" in later and later.endswith("assistant\nBo is")
 
 
 def test_eight_bit_codes_stay_within_a_tight_logit_tolerance_of_the_full_cache(smollm2):

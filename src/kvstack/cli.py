@@ -156,7 +156,8 @@ def generate(
     if payload["offloaded_bytes"]:
         summary += (
             f"; slow tier {payload['offloaded_bytes'] / 2**20:.2f} MiB on disk, "
-            f"{payload['fetched_bytes_per_step'] / 2**10:.0f} KiB read back per token"
+            f"{payload['fetched_bytes_per_step'] / 2**10:.0f} KiB read back per token in "
+            f"{payload['fetch_s_per_step'] * 1e3:.1f} ms"
         )
     print_answer(payload, as_json, summary)
 

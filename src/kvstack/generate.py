@@ -56,6 +56,7 @@ class Result:
     stats: list[dict[str, Any]] = field(default_factory=list, repr=False)
     offloaded_bytes: int = 0  # a retriever's slow tier on disk at the end, outside kv_bytes
     fetched_bytes_per_step: float = 0.0  # read back from the slow tier per decoding step
+    fetch_s_per_step: float = 0.0  # ranking and reading those pages, per decoding step
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -435,7 +436,7 @@ def _finish(
     out: list[list[int]] = [[] for _ in range(b)]
     done = torch.zeros(b, dtype=torch.bool)
     start = now(logits.device)
-    steps, fetched = 0, cache.fetched_nbytes
+    steps, fetched, fetch_s = 0, cache.fetched_nbytes, cache.fetch_clock.seconds
     for step in range(max_new_tokens):
         nxt = logits.argmax(-1).cpu()
         for i in range(b):
@@ -460,6 +461,7 @@ def _finish(
         "decode_tokens_per_s": steps * b / decode_s if decode_s > 0 and steps else 0.0,
         "offloaded_bytes": cache.offloaded_nbytes(),
         "fetched_bytes_per_step": (cache.fetched_nbytes - fetched) / steps if steps else 0.0,
+        "fetch_s_per_step": (cache.fetch_clock.seconds - fetch_s) / steps if steps else 0.0,
         "stats": cache.stats(),
         "method": str(cache.stack),
         "budget": str(cache.budget),

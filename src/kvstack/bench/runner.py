@@ -317,7 +317,8 @@ def _run_kvstack(
     advance(steps=len(configs) - len(todo))
     if not todo:
         return
-    prompt = build_prompt(lm, item.sample.context, item.question.question, item.question.answer_prefix)
+    q = item.question
+    prompt = build_prompt(lm, item.sample.context, q.question, q.answer_prefix, q.history)
     eos, new = eos_ids(lm), item.question.max_new_tokens
     pad = lm.tokenizer.pad_token_id if lm.tokenizer.pad_token_id is not None else 0
     if item.mode == "agnostic":

@@ -95,6 +95,7 @@ class KVCache(Cache):
         self.last_logits: torch.Tensor | None = None  # (b, vocab) after the last token, when loaded from a file
         self.working_nbytes = 0  # the most bytes a retriever brought back for one attention call
         self.fetched_nbytes = 0  # bytes read back from slow tiers, all calls
+        self.fetch_clock = Stopwatch()  # ranking pages and reading them back from slow tiers
         self.policy = Policy(self, self.stack, self.budget, model_or_config, head_dim)  # decides what is kept
         if "hidden_cosine" in self.needs and hasattr(model_or_config, "config"):
             install(model_or_config)  # hooks that measure the hidden states (SqueezeAttention)
@@ -123,7 +124,9 @@ class KVCache(Cache):
     def retrieve(self, layer: CompressedLayer, query: torch.Tensor) -> Fetched | None:
         """Pages of `layer`'s slow tier brought back for `query` (b, h*g, q, d), on its device, or
         None without a tier; their bytes are counted as resident while attention reads them."""
+        started = self.fetch_clock.start(query.device)
         fetched = self.policy.retrieve(layer, query)
+        self.fetch_clock.stop(started)
         if fetched is None:
             return None
         self.fetched_nbytes += fetched.nbytes

@@ -130,16 +130,18 @@ class Tier:
         slots = torch.full((b, h, n), EMPTY_SLOT, dtype=torch.int32)
         views = [memoryview(t.view(torch.uint8).numpy()).cast("B") for t in (keys, values, slots)]
         fd, chosen, filled = self.file.fileno(), pages.cpu(), self.pages
-        read = 0
+        wanted, have = chosen.tolist(), filled.tolist()  # plain ints: indexing tensors per page costs more
+        half, ends, record = self.half, 4 * self.page, self.record_bytes
+        read = row = 0
         for bi in range(b):
             for hi in range(h):
-                for j in range(k):
-                    p, row = int(chosen[bi, hi, j]), (bi * h + hi) * k + j  # the page's place among those fetched
-                    if p >= int(filled[bi, hi]):
-                        continue
-                    kv = slice(row * self.half, (row + 1) * self.half)
-                    at = slice(row * 4 * self.page, (row + 1) * 4 * self.page)
-                    read += os.preadv(fd, [views[0][kv], views[1][kv], views[2][at]], self._offset(p, bi, hi))
+                base = bi * h + hi
+                for p in wanted[bi][hi]:
+                    if p < have[bi][hi]:  # the page's place among those fetched is `row`
+                        parts = [views[0][row * half : (row + 1) * half], views[1][row * half : (row + 1) * half]]
+                        parts.append(views[2][row * ends : (row + 1) * ends])
+                        read += os.preadv(fd, parts, (p * b * h + base) * record)
+                    row += 1
         self.read_bytes += read
         entry = chosen[..., None] * self.page + torch.arange(self.page)  # (b, h, k, page) entry numbers
         unfilled = (entry >= self.count[..., None, None]).reshape(b, h, n)

@@ -20,10 +20,12 @@ from kvstack.bench.tasks.ruler import CountTokens, Sample, niah
 def multiturn(
     index: int, length: int, count_tokens: CountTokens, seed: int, prose: Sequence[str], turns: int = 4
 ) -> Sample:
-    """`turns` needles in a prose haystack of about `length` tokens; question i carries turns 0..i-1."""
+    """`turns` needles in a prose haystack of about `length` tokens; question i comes after turns
+    0..i-1 (`Question.history`: chat turns on a chat model)."""
     base = niah("niah_multiturn", index, length, count_tokens, seed, "prose", prose, keys=turns, queries=turns)
-    asked, questions = "", []
+    history: tuple[tuple[str, str], ...] = ()
+    questions = []
     for q in base.questions:
-        questions.append(replace(q, question=asked + q.question))
-        asked += f"{q.question}\n{q.answer_prefix} {q.answers[0]}.\n"
+        questions.append(replace(q, history=history))
+        history += ((q.question, f"{q.answer_prefix} {q.answers[0]}."),)
     return replace(base, questions=tuple(questions))

@@ -69,6 +69,7 @@ class Question:
     answer_prefix: str
     answers: tuple[str, ...]
     max_new_tokens: int = 16
+    history: tuple[tuple[str, str], ...] = ()  # earlier (question, answer) turns asked before this one
 
 
 @dataclass(frozen=True)
