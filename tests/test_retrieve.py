@@ -15,6 +15,7 @@ from kvstack.errors import UserError
 from kvstack.generate import Runner
 from kvstack.methods.retrieve.base import resident_share
 from kvstack.methods.retrieve.quest import Quest
+from kvstack.methods.retrieve.squeezed import Squeezed, kmeans
 from kvstack.policy import policy as policy_module
 from kvstack.stack import Stack
 from test_cache import prompt
@@ -33,13 +34,13 @@ def test_page_index_by_hand():
     keys = torch.tensor([[1.0, -2.0], [3.0, 0.0], [-1.0, 5.0], [2.0, 2.0], [0.0, -4.0]])
     tier = _tier(keys, page=2)
     assert tier.count.tolist() == [[5]] and tier.pages.tolist() == [[3]]
-    assert tier.lo[0, 0].tolist() == [[1.0, -2.0], [-1.0, 2.0], [0.0, -4.0]]
-    assert tier.hi[0, 0].tolist() == [[3.0, 0.0], [2.0, 5.0], [0.0, -4.0]]
+    assert tier.index["lo"][0, 0].tolist() == [[1.0, -2.0], [-1.0, 2.0], [0.0, -4.0]]
+    assert tier.index["hi"][0, 0].tolist() == [[3.0, 0.0], [2.0, 5.0], [0.0, -4.0]]
     # a second append fills the last page first, and its summary takes the new key in
     more = torch.tensor([[-3.0, 1.0]])
     tier.append(more[None, None], -more[None, None], torch.tensor([[[20]]]), torch.ones(1, 1, 1, dtype=torch.bool))
     assert tier.pages.tolist() == [[3]]
-    assert tier.lo[0, 0, 2].tolist() == [-3.0, -4.0] and tier.hi[0, 0, 2].tolist() == [0.0, 1.0]
+    assert tier.index["lo"][0, 0, 2].tolist() == [-3.0, -4.0] and tier.index["hi"][0, 0, 2].tolist() == [0.0, 1.0]
 
 
 def test_fetch_reads_back_what_was_written_and_marks_empty_entries():
@@ -58,16 +59,37 @@ def test_quest_bound_by_hand_and_selection_equals_exact_top_pages():
     lo = torch.tensor([[[[1.0, -2.0], [0.0, 0.0]]]])
     hi = torch.tensor([[[[3.0, 1.0], [2.0, 4.0]]]])
     q = torch.tensor([[[[1.0, -1.0]]]])  # bound: max(1*1, 1*3) + max(-1*-2, -1*1) = 3 + 2; then 2 + 0
-    assert Quest().rank(q, lo, hi).tolist() == [[[5.0, 2.0]]]
+    assert Quest().rank(q, {"lo": lo, "hi": hi}).tolist() == [[[5.0, 2.0]]]
     # pages of identical keys: the bound is the exact largest logit, so the top pages are exact
     gen = torch.Generator().manual_seed(0)
     per_page = torch.randn(12, 8, generator=gen)
     keys = per_page.repeat_interleave(4, dim=0)  # (48, 8), page = 4 tokens of one key
     tier = _tier(keys, page=4)
     query = torch.randn(1, 1, 3, 8, generator=gen)  # 3 query heads of the group share a selection
-    ranks = Quest().rank(query, tier.lo.float(), tier.hi.float())
+    ranks = Quest().rank(query, tier.index)
     exact = (query[0, 0] @ keys.T).amax(0).view(12, 4).amax(-1)
     assert set(ranks[0, 0].topk(3).indices.tolist()) == set(exact.topk(3).indices.tolist())
+
+
+def test_kmeans_finds_planted_clusters_and_squeezed_pages_hold_one_each():
+    gen = torch.Generator().manual_seed(1)
+    centres = torch.tensor([[8.0, 0.0, 0.0], [0.0, 8.0, 0.0], [0.0, 0.0, 8.0]])
+    truth = torch.arange(24) % 3  # the clusters interleaved along the sequence
+    keys = centres[truth] + 0.3 * torch.randn(24, 3, generator=gen)
+    labels = kmeans(keys, 3, 8)
+    assert all(len(set(labels[truth == c].tolist())) == 1 for c in range(3)) and len(set(labels.tolist())) == 3
+    method = Squeezed(page=8, select=8)
+    moved = torch.ones(1, 1, 24, dtype=torch.bool)
+    tier = Tier(1, 1, 3, torch.float32, 8, summaries=method.summaries)
+    order = method.arrange(keys[None, None], moved)
+    tier.append(keys[None, None], keys[None, None], torch.arange(24)[None, None], moved, order)
+    got = tier.fetch(torch.tensor([[[0, 1, 2]]]))
+    pages = truth[got.slots.view(3, 8)]  # each page of the tier holds one planted cluster
+    assert all(len(set(row.tolist())) == 1 for row in pages)
+    query = torch.tensor([[[[0.0, 1.0, 0.0]]]])  # matches the second centre: its page ranks first
+    best = int(method.rank(query, tier.index)[0, 0].argmax())
+    assert set(truth[got.slots[0, 0, best * 8 : (best + 1) * 8]].tolist()) == {1}
+    torch.testing.assert_close(tier.index["mean"][0, 0, best], keys[truth == 1].mean(0))
 
 
 def test_resident_share_by_hand():
@@ -82,7 +104,8 @@ def test_resident_share_by_hand():
     assert pages == 0 and keep.tolist() == [[4]]  # too little left to fetch a page: streaming alone
 
 
-def test_retrieving_every_page_gives_the_full_cache(llama, monkeypatch):
+@pytest.mark.parametrize("spec", ["quest(page=4)", "squeezed(page=4)"])
+def test_retrieving_every_page_gives_the_full_cache(llama, monkeypatch, spec):
     """With every page of the tier brought back, attention sees every token: the full cache's logits."""
     share = policy_module.resident_share
     monkeypatch.setattr(policy_module, "resident_share", lambda *a: (share(*a)[0], 10**6))
@@ -90,7 +113,7 @@ def test_retrieving_every_page_gives_the_full_cache(llama, monkeypatch):
     width = max(map(len, ctx))
     ids = torch.tensor([[0] * (width - len(c)) + c for c in ctx])
     mask = torch.tensor([[0] * (width - len(c)) + [1] * len(c) for c in ctx])
-    full, quest = Runner(llama, KVCache(llama, "full", 1.0)), Runner(llama, KVCache(llama, "quest(page=4)", 0.25))
+    full, quest = Runner(llama, KVCache(llama, "full", 1.0)), Runner(llama, KVCache(llama, spec, 0.25))
     full.forward(ids, mask)
     quest.forward(ids, mask)
     assert all(layer.tier is not None and int(layer.tier.count.min()) > 0 for layer in quest.cache.layers)

@@ -2,8 +2,9 @@
 
 Tokens live in a file on disk (an unlinked temporary file: it leaves the process's memory, and
 the operating system frees it when the cache goes), in pages of `page` entries per sequence and
-KV head; what stays resident is a small index: each page's channel-wise key minimum and maximum
-(Quest's page summary, (b, h, P, d) each, in the model's dtype). A page's record holds its keys,
+KV head; what stays resident is a small index of page summaries, (b, h, P, d) each in the
+model's dtype: the channel-wise key minimum `lo` and maximum `hi` (Quest's bound) or the keys'
+`mean` (a centroid), as the retriever asks. A page's record holds its keys,
 then its values, then its entries' slots (int32); reading it is one `preadv` that scatters the
 three into the keys, values and slots of every page fetched at once (no copy after the read).
 
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 EMPTY_SLOT = -1
+SUMMARIES = ("lo", "hi", "mean")  # what a page's index entry may hold about its keys
 
 
 def _raw(t: torch.Tensor) -> bytes:
@@ -44,13 +46,21 @@ class Tier:
     pages, `fetch` reads the chosen ones back."""
 
     def __init__(
-        self, batch: int, heads: int, head_dim: int, dtype: torch.dtype, page: int, device: torch.device | str = "cpu"
+        self,
+        batch: int,
+        heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        page: int,
+        device: torch.device | str = "cpu",
+        summaries: tuple[str, ...] = ("lo", "hi"),
     ) -> None:
         self.batch, self.heads, self.head_dim, self.dtype, self.page = batch, heads, head_dim, dtype, page
+        assert summaries and set(summaries) <= set(SUMMARIES), summaries
         self.count = torch.zeros(batch, heads, dtype=torch.long)  # entries per (b, h), on the CPU
-        # the resident index, on the model's device: (b, h, P, d) per page key minimum and maximum
-        self.lo = torch.zeros(batch, heads, 0, head_dim, dtype=dtype, device=device)
-        self.hi = torch.zeros(batch, heads, 0, head_dim, dtype=dtype, device=device)
+        # the resident index, on the model's device: name -> (b, h, P, d) one summary per page
+        self.index = {name: torch.zeros(batch, heads, 0, head_dim, dtype=dtype, device=device) for name in summaries}
+        self.device = torch.device(device)
         self.vector_bytes = head_dim * dtype.itemsize  # one key (or value)
         self.token_bytes = 2 * self.vector_bytes + 4  # key, value, int32 slot
         self.half = page * self.vector_bytes  # a page's keys (or values)
@@ -68,15 +78,23 @@ class Tier:
     @property
     def n_pages(self) -> int:
         """Pages of the longest head: the index's length P."""
-        return int(self.lo.shape[2])
+        return int(next(iter(self.index.values())).shape[2])
 
     def _offset(self, p: int, b: int, h: int) -> int:
         return ((p * self.batch + b) * self.heads + h) * self.record_bytes
 
     # ---- writing ---------------------------------------------------------------------------
-    def append(self, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, moved: torch.Tensor) -> None:
-        """Move the tokens where `moved` (b, h, t) is True into the tier, in slot order per head:
-        keys, values (b, h, t, d) in the model's dtype, slots (b, h, t)."""
+    def append(
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        slots: torch.Tensor,
+        moved: torch.Tensor,
+        order: torch.Tensor | None = None,
+    ) -> None:
+        """Move the tokens where `moved` (b, h, t) is True into the tier, per head in the order of
+        `order` (b, h, t) (ties and None: slot order), so a page holds tokens adjacent in that
+        order: keys, values (b, h, t, d) in the model's dtype, slots (b, h, t)."""
         counts = moved.sum(-1).cpu()
         if not bool(counts.any()):
             return
@@ -89,6 +107,8 @@ class Tier:
                     continue
                 take = moved[b, h].nonzero().squeeze(-1)
                 take = take[torch.argsort(slots[b, h, take], stable=True)]
+                if order is not None:
+                    take = take[torch.argsort(order[b, h, take], stable=True)]
                 k = keys[b, h, take].to(self.dtype).cpu()
                 v = values[b, h, take].to(self.dtype).cpu()
                 s = slots[b, h, take].to(torch.int32).cpu()
@@ -104,20 +124,30 @@ class Tier:
                     os.pwrite(fd, _raw(vp), at_k + self.half)
                     os.pwrite(fd, _raw(s[done : done + n]), record + 2 * self.half + 4 * inside)
                     self.written_bytes += n * self.token_bytes
-                    lo, hi = kp.amin(0), kp.amax(0)
-                    lo, hi = lo.to(self.lo.device), hi.to(self.lo.device)
-                    if inside:  # the page already summarises earlier entries
-                        lo, hi = torch.minimum(lo, self.lo[b, h, p]), torch.maximum(hi, self.hi[b, h, p])
-                    self.lo[b, h, p], self.hi[b, h, p] = lo, hi
+                    self._summarise(b, h, p, inside, kp)
                     done += n
         self.count = new_count
+
+    def _summarise(self, b: int, h: int, p: int, inside: int, keys: torch.Tensor) -> None:
+        """Take keys (n, d), written at entries `inside`.. of page p of (b, h), into its summaries."""
+        k = keys.to(self.device).float()
+        for name, table in self.index.items():
+            old = table[b, h, p].float()
+            if name == "lo":
+                new = k.amin(0) if not inside else torch.minimum(k.amin(0), old)
+            elif name == "hi":
+                new = k.amax(0) if not inside else torch.maximum(k.amax(0), old)
+            else:  # the running mean over the page's entries
+                new = (old * inside + k.sum(0)) / (inside + len(k))
+            table[b, h, p] = new.to(self.dtype)
 
     def _grow(self, pages: int) -> None:
         """Make the index hold `pages` pages per head (zeros for pages not yet written)."""
         extra = pages - self.n_pages
         if extra > 0:
-            pad = self.lo.new_zeros(self.batch, self.heads, extra, self.head_dim)
-            self.lo, self.hi = torch.cat([self.lo, pad], dim=2), torch.cat([self.hi, pad], dim=2)
+            for name, table in self.index.items():
+                pad = table.new_zeros(self.batch, self.heads, extra, self.head_dim)
+                self.index[name] = torch.cat([table, pad], dim=2)
 
     # ---- reading ---------------------------------------------------------------------------
     def fetch(self, pages: torch.Tensor) -> Fetched:
@@ -150,12 +180,12 @@ class Tier:
 
     def page_valid(self) -> torch.Tensor:
         """(b, h, P) True for pages a head has filled (on the index's device)."""
-        return (torch.arange(self.n_pages) < self.pages.unsqueeze(-1)).to(self.lo.device)
+        return (torch.arange(self.n_pages) < self.pages.unsqueeze(-1)).to(self.device)
 
     # ---- bookkeeping -----------------------------------------------------------------------
     def tensors(self) -> list[torch.Tensor]:
         """What stays resident: the page index and the entry counts."""
-        return [self.lo, self.hi, self.count]
+        return [*self.index.values(), self.count]
 
     def offloaded_nbytes(self) -> int:
         """Bytes the file holds for filled entries (keys, values and slots)."""
@@ -163,23 +193,27 @@ class Tier:
 
     def copy(self) -> Tier:
         """A tier that evolves on its own: the file copied, the index cloned."""
-        new = Tier(self.batch, self.heads, self.head_dim, self.dtype, self.page, self.lo.device)
+        new = self._like(self.batch)
         self.file.seek(0)
         while chunk := self.file.read(1 << 24):
             new.file.write(chunk)
         new.file.flush()
-        new.count, new.lo, new.hi = self.count.clone(), self.lo.clone(), self.hi.clone()
+        new.count, new.index = self.count.clone(), {n: t.clone() for n, t in self.index.items()}
         return new
+
+    def _like(self, batch: int) -> Tier:
+        return Tier(batch, self.heads, self.head_dim, self.dtype, self.page, self.device, tuple(self.index))
 
     def select_batch(self, index: torch.Tensor) -> Tier:
         """A tier holding only the sequences in `index` (b',), in that order."""
         rows = index.cpu().tolist()
-        new = Tier(len(rows), self.heads, self.head_dim, self.dtype, self.page, self.lo.device)
+        new = self._like(len(rows))
         new._grow(self.n_pages)
         fd, out = self.file.fileno(), new.file.fileno()
         for nb, b in enumerate(rows):
             for h in range(self.heads):
                 for p in range(int(self.pages[b, h])):
                     os.pwrite(out, os.pread(fd, self.record_bytes, self._offset(p, b, h)), new._offset(p, nb, h))
-        new.count, new.lo, new.hi = self.count[rows].clone(), self.lo[index].clone(), self.hi[index].clone()
+        new.count = self.count[rows].clone()
+        new.index = {n: t[index.to(self.device)].clone() for n, t in self.index.items()}
         return new

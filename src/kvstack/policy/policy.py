@@ -176,7 +176,7 @@ class Policy:
         full_layers = sum(not other.is_sliding for other in self.cache.layers)
         room = self.shares.room(layer, layer.seen, layer)[0]
         d = layer.keys[0].shape[-1]
-        index_bytes = 2 * d * layer.keys[0].dtype.itemsize  # a page's key minimum and maximum
+        index_bytes = len(retriever.summaries) * d * layer.keys[0].dtype.itemsize  # a page's summaries
         keep, pages = resident_share(
             keep, room, retriever.page, retriever.select, layer.token_bytes(), index_bytes, full_layers
         )
@@ -192,7 +192,7 @@ class Policy:
             return None
         b, hg, q, d = query.shape
         grouped = query.reshape(b, tier.heads, (hg // tier.heads) * q, d)
-        ranks = retriever.rank(grouped, tier.lo, tier.hi).masked_fill(~tier.page_valid(), float("-inf"))
+        ranks = retriever.rank(grouped, tier.index).masked_fill(~tier.page_valid(), float("-inf"))
         pages = torch.sort(ranks.topk(k, dim=-1).indices, dim=-1).values  # (b, h, k) in page order
         return tier.fetch(pages)
 
@@ -293,8 +293,9 @@ class Policy:
         if retriever is not None and not layer.is_sliding:  # what is not kept resident moves to the slow tier
             if layer.tier is None:
                 b, h, _, d = obs.keys.shape
-                layer.tier = Tier(b, h, d, layer.keys[0].dtype, retriever.page, obs.keys.device)
-            layer.tier.append(obs.keys, obs.values, obs.slots, obs.valid & ~kept)
+                layer.tier = Tier(b, h, d, layer.keys[0].dtype, retriever.page, obs.keys.device, retriever.summaries)
+            moved = obs.valid & ~kept
+            layer.tier.append(obs.keys, obs.values, obs.slots, moved, retriever.arrange(obs.keys, moved))
         layer.apply(decision, self.shares.demote_codecs)
         if folding:
             fold(layer, dropped, dense_keys, dense_values, dense_slots)

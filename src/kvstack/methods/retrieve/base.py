@@ -30,6 +30,7 @@ class Retriever(Rescorer):
     role: ClassVar[str] = "retriever"
     family: ClassVar[str] = "retrieve"
     cadence_from_inner: ClassVar[bool] = False
+    summaries: ClassVar[tuple[str, ...]] = ("lo", "hi")  # what the tier's resident index keeps per page
     scorer: Method = field(default_factory=lambda: default_scorer("streaming"))
     page: int = 64
     select: int = 1024
@@ -45,10 +46,16 @@ class Retriever(Rescorer):
         """(b, h, t) what stays resident: the wrapped scorer's scores."""
         return self.scorer.score(obs)
 
-    def rank(self, queries: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    def rank(self, queries: torch.Tensor, index: dict[str, torch.Tensor]) -> torch.Tensor:
         """(b, h, P) how much each page of the tier matters to queries (b, h, g*q, d) (the g query
-        heads of each KV head and the call's q queries), from the index lo, hi (b, h, P, d)."""
+        heads of each KV head and the call's q queries), from the index: each of `summaries`
+        (b, h, P, d) ("lo", "hi": the keys' channel-wise minimum and maximum; "mean")."""
         raise NotImplementedError
+
+    def arrange(self, keys: torch.Tensor, moved: torch.Tensor) -> torch.Tensor | None:
+        """(b, h, t) the order in which the tokens `moved` (b, h, t) of keys (b, h, t, d) fill the
+        tier's pages (None: by slot, so a page is a run of the sequence)."""
+        return None
 
 
 def resident_share(
@@ -63,6 +70,7 @@ def resident_share(
     1/layers of them; they get at most half of what the index leaves, and `select` tokens at most.
     """
     index = torch.ceil(torch.ceil(room.double() / page) * index_bytes / token_bytes).long() + 1  # (b,)
+    # (+1: the tier's per-head entry count)
     left = keep - index[:, None]
     spare = int(left.min()) // 2 if left.numel() else 0
     fetched = min(select, max(spare, 0) * layers) // page * page  # tokens per head per call

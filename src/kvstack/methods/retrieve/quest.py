@@ -34,5 +34,5 @@ class Quest(Retriever):
     name = "quest"
     paper = "Quest: Query-Aware Sparsity for Efficient Long-Context LLM Inference (arXiv 2406.10774)"
 
-    def rank(self, queries: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
-        return criticality(queries.float(), lo.float(), hi.float()).amax(dim=2)
+    def rank(self, queries: torch.Tensor, index: dict[str, torch.Tensor]) -> torch.Tensor:
+        return criticality(queries.float(), index["lo"].float(), index["hi"].float()).amax(dim=2)
