@@ -6,7 +6,7 @@ import pytest
 from typer.testing import CliRunner
 
 from kvstack.bench.speed import HF_DYNAMIC, HF_STATIC, Engine, measure, plot, prompt_ids, ratios
-from kvstack.cli import app
+from kvstack.cli import _transfer, app
 from kvstack.errors import UserError
 
 
@@ -83,3 +83,11 @@ def test_the_command_writes_json_and_png(monkeypatch, tmp_path, llama):
     assert [r["engine"] for r in rows] == [HF_DYNAMIC, "full", "keydiff@0.5"]
     assert (out / "speed.png").exists()
     assert "decode vs full" in result.output
+
+
+def test_a_retrievers_slow_tier_reads_are_reported(llama):
+    engines = [Engine.parse("full"), Engine.parse("quest(page=8, select=32)@0.3")]
+    rows = {r.engine: r for r in measure(llama, engines, [200], new_tokens=6)}
+    tiered = rows[engines[1].label]
+    assert tiered.fetched_bytes_per_step > 0 and tiered.fetch_s_per_step > 0
+    assert rows["full"].fetched_bytes_per_step == 0 and "GB/s" in _transfer(tiered)

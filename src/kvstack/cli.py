@@ -467,6 +467,9 @@ def _speed_table(rows: list[Any], model: str) -> Table:
         table.add_column(col, justify="left" if col == "engine" else "right", no_wrap=col == "engine")
     table.add_column("KV after prompt", justify="right")
     table.add_column("peak KV in prompt", justify="right")
+    tiered = any(r.fetched_bytes_per_step for r in rows)
+    if tiered:  # a retriever's slow tier: what each decoded token read back, and how long that took
+        table.add_column("slow tier read / token", justify="right")
     for r in rows:
         key = (r.engine, r.length)
         table.add_row(
@@ -479,8 +482,17 @@ def _speed_table(rows: list[Any], model: str) -> Table:
             f"{to_hf[key][0]:.2f}x" if key in to_hf else "",
             f"{r.kv_bytes / 2**20:.2f} MiB",
             f"{r.peak_kv_bytes / 2**20:.2f} MiB",
+            *([_transfer(r)] if tiered else []),
         )
     return table
+
+
+def _transfer(row: Any) -> str:
+    """Slow-tier reads per decoded token: MiB, milliseconds and the rate they make."""
+    if not row.fetched_bytes_per_step:
+        return ""
+    rate = row.fetched_bytes_per_step / row.fetch_s_per_step / 1e9 if row.fetch_s_per_step else 0.0
+    return f"{row.fetched_bytes_per_step / 2**20:.1f} MiB in {row.fetch_s_per_step * 1e3:.1f} ms ({rate:.1f} GB/s)"
 
 
 @app.command()

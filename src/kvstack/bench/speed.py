@@ -66,6 +66,8 @@ class SpeedRow:
     peak_kv_bytes: int  # the most the cache held at once while the prompt went in
     repeats: int
     device: str
+    fetched_bytes_per_step: float = 0.0  # read back from a retriever's slow tier per decoded token
+    fetch_s_per_step: float = 0.0  # ranking pages and reading them, per decoded token
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -108,11 +110,13 @@ def _hf_bytes(cache: Any) -> int:
     return sum(t.nbytes for layer in cache.layers for t in (layer.keys, layer.values) if t is not None)
 
 
-def _kvstack_run(
-    model: Any, ids: torch.Tensor, new_tokens: int, engine: Engine, chunk: int | None
-) -> tuple[float, float, int, int, int]:
+Run = tuple[float, float, int, int, int, float, float]
+
+
+def _kvstack_run(model: Any, ids: torch.Tensor, new_tokens: int, engine: Engine, chunk: int | None) -> Run:
     """kvstack's cache through its own loop (`generate`): (prefill s incl. compression, decode s,
-    bytes after prompt, bytes at end, peak bytes during the prompt)."""
+    bytes after prompt, bytes at end, peak bytes during the prompt, bytes and seconds of slow-tier
+    reads per decoded token)."""
     from kvstack.cache.cache import KVCache
     from kvstack.generate import Runner
 
@@ -125,11 +129,14 @@ def _kvstack_run(
     prefill = now(device) - start
     held, peak = cache.nbytes(), cache.peak_nbytes
     one = torch.ones(1, 1, dtype=torch.long)
+    fetched, fetch_s = cache.fetched_nbytes, cache.fetch_clock.seconds
     start = now(device)
     for _ in range(new_tokens - 1):
         logits = runner.forward(logits.argmax(-1, keepdim=True).cpu(), one)
     decode = now(device) - start
-    return prefill, decode, held, cache.nbytes(), max(peak, held)
+    steps = new_tokens - 1
+    tier = ((cache.fetched_nbytes - fetched) / steps, (cache.fetch_clock.seconds - fetch_s) / steps)
+    return prefill, decode, held, cache.nbytes(), max(peak, held), *tier
 
 
 def measure(
@@ -156,7 +163,7 @@ def measure(
         )
     vocab = model.config.get_text_config().vocab_size
     device = str(model.device) if model.device.type == "cpu" else torch.cuda.get_device_name(model.device)
-    runs: dict[tuple[str, int], list[tuple[float, float, int, int, int]]] = {}
+    runs: dict[tuple[str, int], list[Run]] = {}
     plan = [(min(lengths), -1)] + [(length, r) for r in range(repeats) for length in lengths]
     try:
         for length, rep in plan:
@@ -188,19 +195,19 @@ def measure(
                     got[-1][4],
                     repeats,
                     device,
+                    statistics.median(g[5] for g in got),
+                    statistics.median(g[6] for g in got),
                 )
             )
     return rows
 
 
-def _run(
-    model: Any, engine: Engine, ids: torch.Tensor, new_tokens: int, chunk: int | None
-) -> tuple[float, float, int, int, int]:
+def _run(model: Any, engine: Engine, ids: torch.Tensor, new_tokens: int, chunk: int | None) -> Run:
     with torch.inference_mode():
         if engine.stack is None:
             model.set_attn_implementation("sdpa")
             prefill, decode, held, end = _hf_run(model, ids, new_tokens, static=engine.label == HF_STATIC)
-            return prefill, decode, held, end, held
+            return prefill, decode, held, end, held, 0.0, 0.0
         model.set_attn_implementation("kvstack")
         return _kvstack_run(model, ids, new_tokens, engine, chunk)
 
