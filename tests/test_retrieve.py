@@ -55,6 +55,22 @@ def test_fetch_reads_back_what_was_written_and_marks_empty_entries():
     assert tier.offloaded_nbytes() == 5 * (2 * 2 * 2 + 4)
 
 
+def test_an_eight_bit_tier_stores_half_and_reads_back_within_a_code_step():
+    gen = torch.Generator().manual_seed(2)
+    keys, values = torch.randn(1, 2, 40, 16, generator=gen), torch.randn(1, 2, 40, 16, generator=gen)
+    slots, moved = torch.arange(40).expand(1, 2, 40), torch.ones(1, 2, 40, dtype=torch.bool)
+    wide, narrow = Tier(1, 2, 16, torch.float32, 8), Tier(1, 2, 16, torch.float32, 8, bits=8)
+    for tier in (wide, narrow):
+        tier.append(keys, values, slots, moved)
+    assert narrow.offloaded_nbytes() == 80 * (16 + 16 + 2 + 2 + 4)  # codes, scales, slot
+    assert wide.offloaded_nbytes() == 80 * (4 * 16 * 2 + 4)
+    got = narrow.fetch(torch.tensor([[[0, 4], [1, 2]]]))
+    assert got.slots[0, 0].tolist() == [*range(8), *range(32, 40)]
+    step = keys[0, 0, :8].abs().amax(-1, keepdim=True) / 127  # each token's scale
+    assert bool(((got.keys[0, 0, :8] - keys[0, 0, :8]).abs() <= step / 2 + 1e-3).all())
+    torch.testing.assert_close(narrow.index["lo"], wide.index["lo"])  # summaries come from the exact keys
+
+
 def test_quest_bound_by_hand_and_selection_equals_exact_top_pages():
     lo = torch.tensor([[[[1.0, -2.0], [0.0, 0.0]]]])
     hi = torch.tensor([[[[3.0, 1.0], [2.0, 4.0]]]])
@@ -179,6 +195,8 @@ def test_stacks_a_retriever_cannot_join_are_refused():
         Stack.parse("quest+snapkv")
     with pytest.raises(UserError, match="scorer must be"):
         Stack.parse("adakv(quest)")
+    with pytest.raises(UserError, match="bits must be 16"):
+        Stack.parse("quest(bits=4)")
     with pytest.raises(UserError, match="select must be at least one page"):
         Stack.parse("quest(page=32, select=16)")
     assert Stack.parse("quest(kvzip)").retriever is not None

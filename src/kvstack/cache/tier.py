@@ -54,16 +54,26 @@ class Tier:
         page: int,
         device: torch.device | str = "cpu",
         summaries: tuple[str, ...] = ("lo", "hi"),
+        bits: int = 16,
     ) -> None:
         self.batch, self.heads, self.head_dim, self.dtype, self.page = batch, heads, head_dim, dtype, page
+        assert bits in (8, 16), bits
+        self.bits = bits
         assert summaries and set(summaries) <= set(SUMMARIES), summaries
         self.count = torch.zeros(batch, heads, dtype=torch.long)  # entries per (b, h), on the CPU
         # the resident index, on the model's device: name -> (b, h, P, d) one summary per page
         self.index = {name: torch.zeros(batch, heads, 0, head_dim, dtype=dtype, device=device) for name in summaries}
         self.device = torch.device(device)
-        self.vector_bytes = head_dim * dtype.itemsize  # one key (or value)
-        self.token_bytes = 2 * self.vector_bytes + 4  # key, value, int32 slot
-        self.half = page * self.vector_bytes  # a page's keys (or values)
+        # what a token stores, field by field: name -> (dtype, values per token); a page's record
+        # holds each field's `page` entries in turn (all keys, all values, ..., all slots)
+        if bits == 16:  # as the model holds them
+            self.fields = {"keys": (dtype, head_dim), "values": (dtype, head_dim), "slots": (torch.int32, 1)}
+        else:  # int8 codes with one float16 scale per token and vector (absmax / 127)
+            codes, scale = (torch.int8, head_dim), (torch.float16, 1)
+            self.fields = {"keys": codes, "values": codes, "key_scale": scale, "value_scale": scale}
+            self.fields["slots"] = (torch.int32, 1)
+        self.field_bytes = {name: t.itemsize * n for name, (t, n) in self.fields.items()}  # per token
+        self.token_bytes = sum(self.field_bytes.values())
         self.record_bytes = page * self.token_bytes
         self.file = tempfile.TemporaryFile(prefix="kvstack-tier-")
         self.read_bytes = 0  # bytes read back from the file so far
@@ -109,24 +119,32 @@ class Tier:
                 take = take[torch.argsort(slots[b, h, take], stable=True)]
                 if order is not None:
                     take = take[torch.argsort(order[b, h, take], stable=True)]
-                k = keys[b, h, take].to(self.dtype).cpu()
-                v = values[b, h, take].to(self.dtype).cpu()
-                s = slots[b, h, take].to(torch.int32).cpu()
+                data = self._encode(keys[b, h, take].cpu(), values[b, h, take].cpu(), slots[b, h, take].cpu())
                 at = int(self.count[b, h])
                 done = 0
                 while done < len(take):  # page by page: fill the current page, then the next
                     p, inside = divmod(at + done, self.page)
                     n = min(self.page - inside, len(take) - done)
-                    kp, vp = k[done : done + n], v[done : done + n]
-                    record = self._offset(p, b, h)
-                    at_k = record + inside * self.vector_bytes
-                    os.pwrite(fd, _raw(kp), at_k)
-                    os.pwrite(fd, _raw(vp), at_k + self.half)
-                    os.pwrite(fd, _raw(s[done : done + n]), record + 2 * self.half + 4 * inside)
+                    start = self._offset(p, b, h)
+                    for name, tensor in data.items():  # each field's entries `inside`.. of the page
+                        os.pwrite(fd, _raw(tensor[done : done + n]), start + inside * self.field_bytes[name])
+                        start += self.page * self.field_bytes[name]
                     self.written_bytes += n * self.token_bytes
-                    self._summarise(b, h, p, inside, kp)
+                    self._summarise(b, h, p, inside, keys[b, h, take[done : done + n]])
                     done += n
         self.count = new_count
+
+    def _encode(self, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Field name -> (n, ...) what n tokens store: keys, values (n, d) and slots (n,)."""
+        out = {"slots": slots.to(torch.int32)}
+        for name, x in (("keys", keys), ("values", values)):
+            if self.bits == 16:
+                out[name] = x.to(self.dtype)
+                continue
+            scale = (x.float().abs().amax(-1) / 127).clamp(min=1e-8).to(torch.float16)  # (n,)
+            out[name] = (x.float() / scale.float()[:, None]).round().clamp(-127, 127).to(torch.int8)
+            out[f"{name[:-1]}_scale"] = scale  # key_scale, value_scale
+        return {name: out[name] for name in self.fields}
 
     def _summarise(self, b: int, h: int, p: int, inside: int, keys: torch.Tensor) -> None:
         """Take keys (n, d), written at entries `inside`.. of page p of (b, h), into its summaries."""
@@ -155,27 +173,29 @@ class Tier:
         from the file: one `preadv` per page into one buffer, then views of it."""
         b, h, k = pages.shape
         n = k * self.page
-        keys = torch.empty(b, h, n, self.head_dim, dtype=self.dtype)
-        values = torch.empty_like(keys)
-        slots = torch.full((b, h, n), EMPTY_SLOT, dtype=torch.int32)
-        views = [memoryview(t.view(torch.uint8).numpy()).cast("B") for t in (keys, values, slots)]
+        got = {name: torch.zeros(b, h, n, width, dtype=t) for name, (t, width) in self.fields.items()}
+        views = {name: memoryview(t.view(torch.uint8).numpy()).cast("B") for name, t in got.items()}
         fd, chosen, filled = self.file.fileno(), pages.cpu(), self.pages
         wanted, have = chosen.tolist(), filled.tolist()  # plain ints: indexing tensors per page costs more
-        half, ends, record = self.half, 4 * self.page, self.record_bytes
-        read = row = 0
+        sizes = [(views[name], self.page * self.field_bytes[name]) for name in self.fields]
+        record, read, row = self.record_bytes, 0, 0
         for bi in range(b):
             for hi in range(h):
                 base = bi * h + hi
                 for p in wanted[bi][hi]:
-                    if p < have[bi][hi]:  # the page's place among those fetched is `row`
-                        parts = [views[0][row * half : (row + 1) * half], views[1][row * half : (row + 1) * half]]
-                        parts.append(views[2][row * ends : (row + 1) * ends])
+                    if p < have[bi][hi]:  # the page's place among those fetched is `row`: one read, every field
+                        parts = [view[row * size : (row + 1) * size] for view, size in sizes]
                         read += os.preadv(fd, parts, (p * b * h + base) * record)
                     row += 1
         self.read_bytes += read
         entry = chosen[..., None] * self.page + torch.arange(self.page)  # (b, h, k, page) entry numbers
         unfilled = (entry >= self.count[..., None, None]).reshape(b, h, n)
+        slots = got["slots"].squeeze(-1)
         slots.masked_fill_(unfilled, EMPTY_SLOT)  # entries past a head's count (a page in part, or none)
+        keys, values = got["keys"], got["values"]
+        if self.bits == 8:  # codes times their token's scale, in the model's dtype
+            keys = (keys.float() * got["key_scale"].float()).to(self.dtype)
+            values = (values.float() * got["value_scale"].float()).to(self.dtype)
         return Fetched(keys, values, slots, read)
 
     def page_valid(self) -> torch.Tensor:
@@ -202,7 +222,7 @@ class Tier:
         return new
 
     def _like(self, batch: int) -> Tier:
-        return Tier(batch, self.heads, self.head_dim, self.dtype, self.page, self.device, tuple(self.index))
+        return Tier(batch, self.heads, self.head_dim, self.dtype, self.page, self.device, tuple(self.index), self.bits)
 
     def select_batch(self, index: torch.Tensor) -> Tier:
         """A tier holding only the sequences in `index` (b',), in that order."""

@@ -293,7 +293,8 @@ class Policy:
         if retriever is not None and not layer.is_sliding:  # what is not kept resident moves to the slow tier
             if layer.tier is None:
                 b, h, _, d = obs.keys.shape
-                layer.tier = Tier(b, h, d, layer.keys[0].dtype, retriever.page, obs.keys.device, retriever.summaries)
+                dtype, page, summaries = layer.keys[0].dtype, retriever.page, retriever.summaries
+                layer.tier = Tier(b, h, d, dtype, page, obs.keys.device, summaries, retriever.bits)
             moved = obs.valid & ~kept
             layer.tier.append(obs.keys, obs.values, obs.slots, moved, retriever.arrange(obs.keys, moved))
         layer.apply(decision, self.shares.demote_codecs)

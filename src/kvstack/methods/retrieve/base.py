@@ -23,8 +23,9 @@ from kvstack.methods.evict.rescore import Rescorer
 
 @dataclass
 class Retriever(Rescorer):
-    """A method that moves the tokens its `scorer` does not keep resident to a slow tier and
-    retrieves `select` of them (whole pages of `page` tokens) per head at each attention call.
+    """A method that moves the tokens its `scorer` does not keep resident to a slow tier (stored
+    at `bits`: 8 halves what is written and read back, with a scale per token) and retrieves
+    `select` of them (whole pages of `page` tokens) per head at each attention call.
     It evicts at its own cadence (a block per head while decoding), not its scorer's."""
 
     role: ClassVar[str] = "retriever"
@@ -34,9 +35,12 @@ class Retriever(Rescorer):
     scorer: Method = field(default_factory=lambda: default_scorer("streaming"))
     page: int = 64
     select: int = 1024
+    bits: int = 16  # how the slow tier stores keys and values: 16 as the model holds them, or 8
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.bits not in (8, 16):
+            raise ValueError(f"{self.name}: bits must be 16 (as the model holds them) or 8, got {self.bits}")
         if self.page < 1:
             raise ValueError(f"{self.name}: page must be >= 1 token, got {self.page}")
         if self.select < self.page:
