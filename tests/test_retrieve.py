@@ -137,6 +137,9 @@ def test_retrieving_every_page_gives_the_full_cache(llama, monkeypatch, spec):
         nxt = torch.tensor([[step], [step]])
         a, b = full.forward(nxt, torch.ones_like(nxt)), quest.forward(nxt, torch.ones_like(nxt))
         torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+    chunk = torch.tensor([prompt(21, seed=9)] * 2)  # a question: three blocks of queries, each its own pages
+    a, b = full.forward(chunk, torch.ones_like(chunk)), quest.forward(chunk, torch.ones_like(chunk))
+    torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
 
 
 def test_resident_bytes_within_budget_at_every_step_of_a_long_generation(llama):

@@ -204,9 +204,18 @@ def kvstack_attention(
         out = _attend_fresh(query, *view.fresh, view.query_slots, padding, sliding_window, scale)
         cache.observe(layer, query, view.query_slots, padding, sliding_window, scale)
         return out, None
-    fetched = cache.retrieve(layer, query) if layer.tier is not None else None
-    if fetched is not None:  # a retriever brought pages of the slow tier back for this call
-        out = _attend_retrieved(query, layer, fetched, view.query_slots, padding, sliding_window, scale)
+    # a retriever brings pages of the slow tier back for each block of a few queries (a question
+    # or a chunk gets a selection per block, as decoding does per token)
+    blocks = []
+    for start in range(0, query.shape[2] if layer.tier is not None else 0, FEW_QUERIES):
+        block = query[:, :, start : start + FEW_QUERIES]
+        fetched = cache.retrieve(layer, block)
+        if fetched is None:  # nothing to bring back: attend the resident tokens alone
+            break
+        slots = view.query_slots[start : start + FEW_QUERIES]
+        blocks.append(_attend_retrieved(block, layer, fetched, slots, padding, sliding_window, scale))
+    if blocks:
+        out = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)
         cache.observe(layer, query, view.query_slots, padding, sliding_window, scale)
         return out, None
     alike = layer.layer_kv() if query.shape[2] <= FEW_QUERIES else None
@@ -263,9 +272,10 @@ def _attend_retrieved(
     window: int | None,
     scale: float,
 ) -> torch.Tensor:
-    """Per KV head h: its queries (b, g, q, d) attend the pages brought back from the slow tier
-    (fetched keys, values (b, h, n, d), slots (b, h, n), -1 for empty entries) and the resident
-    tokens as one set, masked by slot (causality, padding, window). Returns (b, q, h*g, d)."""
+    """Per KV head h: its queries (b, g, q, d), q <= FEW_QUERIES, attend the pages brought back
+    from the slow tier (fetched keys, values (b, h, n, d), slots (b, h, n), -1 for empty entries)
+    and the resident tokens as one set, masked by slot (causality, padding, window). Returns
+    (b, q, h*g, d)."""
     b, n_q_heads, q, _ = query.shape
     g = n_q_heads // layer.n_kv_heads
     out: torch.Tensor | None = None
@@ -278,12 +288,7 @@ def _attend_retrieved(
         if out is None:
             out = query.new_empty(b, n_q_heads, q, values.shape[-1])
         mask = head_mask(slots, query_slots, padding, window)  # (b, 1, q, t)
-        if q <= FEW_QUERIES:
-            out[:, h * g : (h + 1) * g] = few_queries(qh, [keys.unsqueeze(1)], [values.unsqueeze(1)], mask, None, scale)
-        else:
-            out[:, h * g : (h + 1) * g] = F.scaled_dot_product_attention(
-                qh, keys.unsqueeze(1), values.unsqueeze(1).to(qh.dtype), attn_mask=mask, scale=scale, enable_gqa=True
-            )
+        out[:, h * g : (h + 1) * g] = few_queries(qh, [keys.unsqueeze(1)], [values.unsqueeze(1)], mask, None, scale)
     assert out is not None
     return out.transpose(1, 2).contiguous()
 
