@@ -108,6 +108,17 @@ def test_kmeans_finds_planted_clusters_and_squeezed_pages_hold_one_each():
     torch.testing.assert_close(tier.index["mean"][0, 0, best], keys[truth == 1].mean(0))
 
 
+def test_quest_brings_back_the_pages_after_its_best_ones_once_each():
+    ranks = torch.tensor([[[0.0, 5.0, 1.0, 4.0, 2.0, 3.0]]])
+    assert Quest().choose(ranks, 4).tolist() == [[[1, 3, 4, 5]]]  # the 4 best
+    assert Quest(neighbors=1).choose(ranks, 4).tolist() == [[[1, 2, 3, 4]]]  # 1 and 3, each with the next
+    touching = torch.tensor([[[0.0, 5.0, 4.0, 0.0, 0.0, 0.0]]])  # 2 is best and next to 1: asked once
+    assert Quest(neighbors=1).choose(touching, 4).tolist() == [[[1, 2, 3, 6]]]  # 6: no page
+    tier = _tier(torch.arange(12.0).reshape(6, 2), page=2)
+    got = tier.fetch(Quest(neighbors=1).choose(touching[..., :3], 2))  # pages 1, 2 of a 3-page tier
+    assert got.slots.tolist() == [[[12, 13, 14, 15]]]
+
+
 def test_resident_share_by_hand():
     # keep 100 tokens of 20 bytes; 640 tokens may leave: 40 pages of 16, index 10 bytes per page
     # -> 20 tokens + 1; 79 left, half of it (39) for fetched pages over 4 layers: 156 tokens,
@@ -198,6 +209,8 @@ def test_stacks_a_retriever_cannot_join_are_refused():
         Stack.parse("quest+snapkv")
     with pytest.raises(UserError, match="scorer must be"):
         Stack.parse("adakv(quest)")
+    with pytest.raises(UserError, match="neighbors must be"):
+        Stack.parse("quest(neighbors=-1)")
     with pytest.raises(UserError, match="bits must be 16"):
         Stack.parse("quest(bits=4)")
     with pytest.raises(UserError, match="select must be at least one page"):

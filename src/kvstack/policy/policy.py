@@ -193,8 +193,7 @@ class Policy:
         b, hg, q, d = query.shape
         grouped = query.reshape(b, tier.heads, (hg // tier.heads) * q, d)
         ranks = retriever.rank(grouped, tier.index).masked_fill(~tier.page_valid(), float("-inf"))
-        pages = torch.sort(ranks.topk(k, dim=-1).indices, dim=-1).values  # (b, h, k) in page order
-        return tier.fetch(pages)
+        return tier.fetch(retriever.choose(ranks, k))
 
     @cached_property
     def shares_only_grow(self) -> bool:

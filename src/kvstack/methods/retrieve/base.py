@@ -56,6 +56,11 @@ class Retriever(Rescorer):
         (b, h, P, d) ("lo", "hi": the keys' channel-wise minimum and maximum; "mean")."""
         raise NotImplementedError
 
+    def choose(self, ranks: torch.Tensor, k: int) -> torch.Tensor:
+        """(b, h, k) the pages to bring back, in page order, from ranks (b, h, P) (-inf: a page
+        the head has not filled); an index >= P is no page. Default: the k best."""
+        return torch.sort(ranks.topk(k, dim=-1).indices, dim=-1).values
+
     def arrange(self, keys: torch.Tensor, moved: torch.Tensor) -> torch.Tensor | None:
         """(b, h, t) the order in which the tokens `moved` (b, h, t) of keys (b, h, t, d) fill the
         tier's pages (None: by slot, so a page is a run of the sequence)."""
