@@ -25,6 +25,9 @@ SHORT = {
     "sentence": "sentence(snapkv(window_size=4, every=4), longest=4)",
     "quest": "quest(page=4, select=16, neighbors=1)",  # pages brought back even from tiny prompts
     "squeezed": "squeezed(page=4, select=16, bits=8)",  # (and its slow tier at 8 bits)
+    "s3": "s3(page=4, select=16, window=8)",
+    "hisa": "hisa(page=4, select=16, tokens=8)",
+    "tokenselect": "tokenselect(page=4, select=16, tokens=8)",
     # 8 tokens per head overflow tiny Gemma's 15-token windows: least=2
     "auto": "auto(tokens=256, samples=1, least=2, validate=1)",
 }

@@ -2,20 +2,26 @@
 attends resident tokens plus the pages brought back."""
 
 import gc
+import math
 import os
 import re
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from helpers import ids_of
 from kvstack.cache.cache import KVCache
 from kvstack.cache.tier import EMPTY_SLOT, Tier
 from kvstack.errors import UserError
 from kvstack.generate import Runner
-from kvstack.methods.retrieve.base import resident_share
+from kvstack.methods.retrieve.base import resident_share, top_entries
+from kvstack.methods.retrieve.hisa import Hisa
 from kvstack.methods.retrieve.quest import Quest
+from kvstack.methods.retrieve.s3 import S3, bm25, last_words, reciprocal_rank
 from kvstack.methods.retrieve.squeezed import Squeezed, kmeans
+from kvstack.methods.retrieve.tokenselect import soft_votes
 from kvstack.policy import policy as policy_module
 from kvstack.stack import Stack
 from test_cache import prompt
@@ -108,6 +114,82 @@ def test_kmeans_finds_planted_clusters_and_squeezed_pages_hold_one_each():
     torch.testing.assert_close(tier.index["mean"][0, 0, best], keys[truth == 1].mean(0))
 
 
+def test_bm25_by_hand():
+    words = torch.tensor([[[[5, 6, 7], [8, 9, -1]]]])  # page 0: three words, page 1: two
+    # "9" twice counts once; "3" is in no page. N = 2 pages, df(9) = 1: idf = ln(1 + 1.5 / 1.5);
+    # page 1 is 2 words against 2.5 on average: tf 1 -> 2.2 / (1 + 1.2 (0.25 + 0.75 * 2 / 2.5))
+    got = bm25(words, torch.tensor([[9, 9, 3]]), 1.2, 0.75)
+    assert got[0, 0, 0] == 0 and abs(float(got[0, 0, 1]) - math.log(2) * 2.2 / 2.02) < 1e-6
+    # the query is each row's last known words: padding (-1) between context and question is skipped
+    assert last_words(torch.tensor([[4, 5, -1, -1, 6], [-1, -1, -1, -1, 7]]), 3).tolist() == [[6, 5, 4], [7, -1, -1]]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.integers(1, 12), st.integers(1, 10))
+def test_bm25_equals_its_definition_word_by_word(seed, pages, width):
+    """The vectorised BM25 against the formula written out per page and distinct query word."""
+    gen = torch.Generator().manual_seed(seed)
+    words = torch.randint(-1, 15, (1, 2, pages, 6), generator=gen)
+    query = torch.randint(-1, 15, (1, width), generator=gen)
+    got = bm25(words, query, 1.2, 0.75)
+    for h in range(2):
+        docs = [[w for w in page.tolist() if w >= 0] for page in words[0, h]]
+        held = [d for d in docs if d]
+        avg = sum(map(len, held)) / max(len(held), 1)
+        for p, doc in enumerate(docs):
+            want = 0.0
+            for word in {w for w in query[0].tolist() if w >= 0}:
+                tf, df = doc.count(word), sum(word in d for d in held)
+                idf = math.log(1 + (len(held) - df + 0.5) / (df + 0.5))
+                want += idf * tf * 2.2 / (tf + 1.2 * (0.25 + 0.75 * len(doc) / max(avg, 1)))
+            assert float(got[0, h, p]) == pytest.approx(want, rel=1e-5, abs=1e-6)
+
+
+def test_s3_brings_back_the_page_that_names_what_the_text_asks_and_the_page_after():
+    ids = torch.arange(100, 140)  # 40 tokens, each its own word; slot s holds word 100 + s
+    ids[[3, 13, 23, 33]] = 7  # a common word on every page: it tells no page apart
+    tier = Tier(1, 1, 2, torch.float32, 10, summaries=("slots", "lo", "hi"))
+    keys = torch.zeros(1, 1, 40, 2)
+    tier.append(keys, keys, torch.arange(40)[None, None], torch.ones(1, 1, 40, dtype=torch.bool))
+    text = torch.cat([ids, torch.tensor([7, 125, 99])])[None]  # the question names word 125 (page 2)
+    ranks = S3(page=10, select=20, window=3).rank(torch.zeros(1, 1, 1, 2), tier.index, text)[0, 0]
+    common = math.log1p(0.5 / 4.5) * 2.2 / (1 + 1.2)  # "7", once on each of 4 pages of 10 words
+    assert ranks[:2].tolist() == pytest.approx([common, common])  # on every page: it tells none apart
+    assert ranks[2] > 3 * common and ranks[3] == ranks[2]  # the page naming 125, and the page after
+    assert S3(page=10, select=20).choose(ranks[None, None], 1).tolist() == [[[2]]]  # a tie: the earlier page
+    # fused with Quest's bound by reciprocal rank: page 0 first by keys, page 2 first by text
+    tier.index["hi"][0, 0, 0] = 1.0
+    fused = S3(page=10, select=20, window=3, fuse=True).rank(torch.ones(1, 1, 1, 2), tier.index, text)[0, 0]
+    lexical = [1 / 63, 1 / 63, 1 / 61, 1 / 61]  # pages 2 and 3 tie first, 0 and 1 third
+    attention = [1 / 61, 1 / 62, 1 / 62, 1 / 62]  # page 0 first, the rest tie second
+    assert fused.tolist() == pytest.approx([a + b for a, b in zip(lexical, attention, strict=True)])
+    assert reciprocal_rank(torch.tensor([3.0, 1.0, 3.0])).tolist() == pytest.approx([1 / 61, 1 / 63, 1 / 61])
+    with pytest.raises(UserError, match="kvstack's own loop"):
+        S3().rank(torch.zeros(1, 1, 1, 2), tier.index, None)
+
+
+def test_hisa_attends_exactly_the_top_tokens_and_tokenselect_votes_by_softmax():
+    gen = torch.Generator().manual_seed(3)
+    keys = torch.randn(48, 8, generator=gen)
+    tier = Tier(1, 1, 8, torch.float32, 4, summaries=Hisa.summaries)
+    tier.append(
+        keys[None, None], keys[None, None], torch.arange(48)[None, None], torch.ones(1, 1, 48, dtype=torch.bool)
+    )
+    query = torch.randn(1, 1, 3, 8, generator=gen)  # a group of 3 query heads, one selection
+    got = tier.fetch(Hisa(page=4, select=48).choose(Hisa(page=4, select=48).rank(query, tier.index), 12))
+    chosen = Hisa(page=4, select=48, tokens=5).refine(query, got.keys, got.slots >= 0)
+    exact = (query[0, 0] @ keys.T).amax(0).topk(5).indices  # exact top-5 of q . k over every token
+    assert set(got.slots[chosen].tolist()) == set(exact.tolist())
+    # soft voting by hand: head A peaks on entry 0, head B is flat; raw logits would pick entry 2
+    q = torch.tensor([[[[4.0, 0.0], [0.0, 1.0]]]])  # (b, h, 2 query heads, d = 2)
+    k = torch.tensor([[[[2.0, 0.0], [0.0, 0.0], [0.0, 9.0]]]])
+    votes = soft_votes(q, k, torch.ones(1, 1, 3, dtype=torch.bool))[0, 0]
+    a = torch.softmax(torch.tensor([8.0, 0.0, 0.0]) / math.sqrt(2), 0)
+    b = torch.softmax(torch.tensor([0.0, 0.0, 9.0]) / math.sqrt(2), 0)
+    torch.testing.assert_close(votes, a + b)
+    assert top_entries(votes, torch.tensor([[[True, True, False]]]), 1).tolist() == [[[True, False, False]]]
+
+
 def test_quest_brings_back_the_pages_after_its_best_ones_once_each():
     ranks = torch.tensor([[[0.0, 5.0, 1.0, 4.0, 2.0, 3.0]]])
     assert Quest().choose(ranks, 4).tolist() == [[[1, 3, 4, 5]]]  # the 4 best
@@ -124,18 +206,31 @@ def test_resident_share_by_hand():
     # -> 20 tokens + 1; 79 left, half of it (39) for fetched pages over 4 layers: 156 tokens,
     # capped by select 64 -> 4 pages, 16 tokens per layer
     keep, pages = resident_share(torch.tensor([[100, 100]]), torch.tensor([640]), 16, 64, 20, 10, 4)
-    assert pages == 4 and keep.tolist() == [[63, 63]]
+    assert pages.tolist() == [4] and keep.tolist() == [[63, 63]]
     keep, pages = resident_share(torch.tensor([[30]]), torch.tensor([640]), 16, 64, 20, 10, 4)
-    assert pages == 1 and keep.tolist() == [[5]]  # 9 left: 4 x 4 layers = one page, 4 tokens per layer
+    assert pages.tolist() == [1] and keep.tolist() == [[5]]  # 9 left: 4 x 4 layers = one page, 4 tokens per layer
     keep, pages = resident_share(torch.tensor([[25]]), torch.tensor([640]), 16, 64, 20, 10, 4)
-    assert pages == 0 and keep.tolist() == [[4]]  # too little left to fetch a page: streaming alone
+    assert pages.tolist() == [0] and keep.tolist() == [[4]]  # too little left to fetch a page: streaming alone
+    # in a batch each row shares on its own: the three cases above, side by side
+    keep, pages = resident_share(torch.tensor([[100], [30], [25]]), torch.tensor([640] * 3), 16, 64, 20, 10, 4)
+    assert pages.tolist() == [4, 1, 0] and keep.tolist() == [[63], [5], [4]]
 
 
-@pytest.mark.parametrize("spec", ["quest(page=4)", "squeezed(page=4)"])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "quest(page=4)",
+        "squeezed(page=4)",
+        "s3(page=4)",
+        "s3(page=4, fuse=True)",
+        "hisa(page=4, tokens=4096)",
+        "tokenselect(page=4, tokens=4096)",
+    ],
+)
 def test_retrieving_every_page_gives_the_full_cache(llama, monkeypatch, spec):
     """With every page of the tier brought back, attention sees every token: the full cache's logits."""
     share = policy_module.resident_share
-    monkeypatch.setattr(policy_module, "resident_share", lambda *a: (share(*a)[0], 10**6))
+    monkeypatch.setattr(policy_module, "resident_share", lambda *a: (share(*a)[0], torch.full_like(a[1], 10**6)))
     ctx = [prompt(90), prompt(70, seed=3)]
     width = max(map(len, ctx))
     ids = torch.tensor([[0] * (width - len(c)) + c for c in ctx])

@@ -209,10 +209,10 @@ def kvstack_attention(
     blocks = []
     for start in range(0, query.shape[2] if layer.tier is not None else 0, FEW_QUERIES):
         block = query[:, :, start : start + FEW_QUERIES]
-        fetched = cache.retrieve(layer, block)
+        slots = view.query_slots[start : start + FEW_QUERIES]
+        fetched = cache.retrieve(layer, block, int(slots[-1]))
         if fetched is None:  # nothing to bring back: attend the resident tokens alone
             break
-        slots = view.query_slots[start : start + FEW_QUERIES]
         blocks.append(_attend_retrieved(block, layer, fetched, slots, padding, sliding_window, scale))
     if blocks:
         out = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)

@@ -121,11 +121,12 @@ class KVCache(Cache):
         view = LayerView(layer, self, slots, (key_states, value_states) if fresh else None)
         return view, view
 
-    def retrieve(self, layer: CompressedLayer, query: torch.Tensor) -> Fetched | None:
-        """Pages of `layer`'s slow tier brought back for `query` (b, h*g, q, d), on its device, or
-        None without a tier; their bytes are counted as resident while attention reads them."""
+    def retrieve(self, layer: CompressedLayer, query: torch.Tensor, last: int) -> Fetched | None:
+        """Pages of `layer`'s slow tier brought back for `query` (b, h*g, q, d) whose last query
+        is slot `last`, on its device, or None without a tier; their bytes are counted as resident
+        while attention reads them."""
         started = self.fetch_clock.start(query.device)
-        fetched = self.policy.retrieve(layer, query)
+        fetched = self.policy.retrieve(layer, query, last)
         self.fetch_clock.stop(started)
         if fetched is None:
             return None
@@ -165,8 +166,10 @@ class KVCache(Cache):
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         for layer in self.layers:
             layer.select_batch(beam_idx)
-        if self.seq.padding is not None:
-            self.seq.padding = self.seq.padding[beam_idx]
+        for name in ("padding", "ends", "ids"):  # per-slot records follow their sequences
+            record = getattr(self.seq, name)
+            if record is not None:
+                setattr(self.seq, name, record[beam_idx.to(record.device)])
         self.policy.shares.forget()
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
@@ -284,7 +287,8 @@ class KVCache(Cache):
     def nbytes(self) -> int:
         """Bytes the cache really holds for attention, read off its tensors' storage (storage
         shared by several layers counted once)."""
-        return storage_bytes([t for layer in self.layers for t in layer.tensors()]) + self.working_nbytes
+        text = [self.seq.ids] if self.seq.ids is not None else []  # token ids a text retriever ranks by
+        return storage_bytes([t for layer in self.layers for t in layer.tensors()] + text) + self.working_nbytes
 
     def offloaded_nbytes(self) -> int:
         """Bytes the slow tiers hold on disk (a retriever's tokens), outside `nbytes()`."""

@@ -19,6 +19,7 @@ class SequenceState:
     exempt: list[tuple[int, int]] = field(default_factory=list)
     prompt_end: int = 0  # slots before this arrived in multi-token (prefill) chunks
     ends: torch.Tensor | None = None  # (b, slots) True where a token ends a sentence (kept for `sentence`)
+    ids: torch.Tensor | None = None  # (b, slots) int32 each slot's token id, -1 unknown (kept for `s3`)
 
     def real_counts(self, seen: int, batch: int, since: int = 0, device: torch.device | None = None) -> torch.Tensor:
         """(b,) real tokens among slots [since, seen)."""
@@ -34,15 +35,16 @@ class SequenceState:
 
     def copy(self) -> SequenceState:
         """An independent copy (tensors are replaced, never written in place, so they are shared)."""
-        return SequenceState(self.padding, list(self.exempt), self.prompt_end, self.ends)
+        return SequenceState(self.padding, list(self.exempt), self.prompt_end, self.ends, self.ids)
 
     def mark_ends(self, ends: torch.Tensor, seen: int) -> None:
         """Record which of the next tokens (b, q) end a sentence, after `seen` slots (slots whose
         tokens were never marked, e.g. before a saved cache was loaded, end none)."""
-        have = 0 if self.ends is None else self.ends.shape[1]
-        gap = ends.new_zeros(ends.shape[0], max(seen - have, 0))
-        old = ends.new_zeros(ends.shape[0], 0) if self.ends is None else self.ends[:, :seen]
-        self.ends = torch.cat([old, gap, ends], dim=1)
+        self.ends = _extend(self.ends, ends, seen, False)
+
+    def record_ids(self, ids: torch.Tensor, seen: int) -> None:
+        """Record the next tokens' ids (b, q) after `seen` slots (slots never recorded: -1)."""
+        self.ids = _extend(self.ids, ids.to(torch.int32), seen, -1)
 
     def sentence_index(self) -> torch.Tensor | None:
         """(b, slots) the sentence each slot belongs to: how many sentence ends came before it."""
@@ -57,3 +59,12 @@ class SequenceState:
         for start, end in self.exempt:
             out |= (slots >= start) & (slots < end)
         return out
+
+
+def _extend(old: torch.Tensor | None, new: torch.Tensor, seen: int, fill: bool | int) -> torch.Tensor:
+    """(b, seen + q) what `old` (b, <= seen) holds for slots before `seen` (`fill` where it holds
+    nothing), then `new` (b, q): a per-slot record that stays aligned with the cache's slots."""
+    have = 0 if old is None else old.shape[1]
+    gap = new.new_full((new.shape[0], max(seen - have, 0)), fill)
+    kept = new.new_zeros(new.shape[0], 0) if old is None else old[:, :seen]
+    return torch.cat([kept, gap, new], dim=1)

@@ -4,7 +4,8 @@ Tokens live in a file on disk (an unlinked temporary file: it leaves the process
 the operating system frees it when the cache goes), in pages of `page` entries per sequence and
 KV head; what stays resident is a small index of page summaries, (b, h, P, d) each in the
 model's dtype: the channel-wise key minimum `lo` and maximum `hi` (Quest's bound) or the keys'
-`mean` (a centroid), as the retriever asks. A page's record holds its keys,
+`mean` (a centroid), as the retriever asks; or (b, h, P, page) int32 the `slots` a page holds
+(-1 empty), for a retriever that ranks pages by their text. A page's record holds its keys,
 then its values, then its entries' slots (int32); reading it is one `preadv` that scatters the
 three into the keys, values and slots of every page fetched at once (no copy after the read).
 
@@ -22,7 +23,13 @@ from dataclasses import dataclass
 import torch
 
 EMPTY_SLOT = -1
-SUMMARIES = ("lo", "hi", "mean")  # what a page's index entry may hold about its keys
+SUMMARIES = ("lo", "hi", "mean", "slots")  # what a page's index entry may hold about its tokens
+
+
+def summary_bytes(summaries: tuple[str, ...], head_dim: int, page: int, itemsize: int) -> int:
+    """Bytes one page's index entry holds: d values of the model's dtype per key summary, or
+    `page` int32 slots."""
+    return sum(page * 4 if name == "slots" else head_dim * itemsize for name in summaries)
 
 
 def _raw(t: torch.Tensor) -> bytes:
@@ -62,7 +69,8 @@ class Tier:
         assert summaries and set(summaries) <= set(SUMMARIES), summaries
         self.count = torch.zeros(batch, heads, dtype=torch.long)  # entries per (b, h), on the CPU
         # the resident index, on the model's device: name -> (b, h, P, d) one summary per page
-        self.index = {name: torch.zeros(batch, heads, 0, head_dim, dtype=dtype, device=device) for name in summaries}
+        # ((b, h, P, page) int32 for "slots")
+        self.index = {name: self._blank(name, batch, 0, device) for name in summaries}
         self.device = torch.device(device)
         # what a token stores, field by field: name -> (dtype, values per token); a page's record
         # holds each field's `page` entries in turn (all keys, all values, ..., all slots)
@@ -78,6 +86,12 @@ class Tier:
         self.file = tempfile.TemporaryFile(prefix="kvstack-tier-")
         self.read_bytes = 0  # bytes read back from the file so far
         self.written_bytes = 0
+
+    def _blank(self, name: str, batch: int, pages: int, device: torch.device | str) -> torch.Tensor:
+        """An empty index entry for `pages` pages: zeros, or slots -1."""
+        if name == "slots":
+            return torch.full((batch, self.heads, pages, self.page), EMPTY_SLOT, dtype=torch.int32, device=device)
+        return torch.zeros(batch, self.heads, pages, self.head_dim, dtype=self.dtype, device=device)
 
     # ---- geometry --------------------------------------------------------------------------
     @property
@@ -130,7 +144,7 @@ class Tier:
                         os.pwrite(fd, _raw(tensor[done : done + n]), start + inside * self.field_bytes[name])
                         start += self.page * self.field_bytes[name]
                     self.written_bytes += n * self.token_bytes
-                    self._summarise(b, h, p, inside, keys[b, h, take[done : done + n]])
+                    self._summarise(b, h, p, inside, keys[b, h, take[done : done + n]], data["slots"][done : done + n])
                     done += n
         self.count = new_count
 
@@ -146,10 +160,14 @@ class Tier:
             out[f"{name[:-1]}_scale"] = scale  # key_scale, value_scale
         return {name: out[name] for name in self.fields}
 
-    def _summarise(self, b: int, h: int, p: int, inside: int, keys: torch.Tensor) -> None:
-        """Take keys (n, d), written at entries `inside`.. of page p of (b, h), into its summaries."""
+    def _summarise(self, b: int, h: int, p: int, inside: int, keys: torch.Tensor, slots: torch.Tensor) -> None:
+        """Take keys (n, d) and slots (n,), written at entries `inside`.. of page p of (b, h), into
+        its summaries."""
         k = keys.to(self.device).float()
         for name, table in self.index.items():
+            if name == "slots":
+                table[b, h, p, inside : inside + len(slots)] = slots.to(self.device)
+                continue
             old = table[b, h, p].float()
             if name == "lo":
                 new = k.amin(0) if not inside else torch.minimum(k.amin(0), old)
@@ -164,8 +182,7 @@ class Tier:
         extra = pages - self.n_pages
         if extra > 0:
             for name, table in self.index.items():
-                pad = table.new_zeros(self.batch, self.heads, extra, self.head_dim)
-                self.index[name] = torch.cat([table, pad], dim=2)
+                self.index[name] = torch.cat([table, self._blank(name, self.batch, extra, table.device)], dim=2)
 
     # ---- reading ---------------------------------------------------------------------------
     def fetch(self, pages: torch.Tensor) -> Fetched:

@@ -16,7 +16,7 @@ import torch
 from kvstack.cache.budget import Budget
 from kvstack.cache.compensation import compensation_mask, fold
 from kvstack.cache.statistics import PROMPT_PASSES
-from kvstack.cache.tier import Fetched, Tier
+from kvstack.cache.tier import EMPTY_SLOT, Fetched, Tier, summary_bytes
 from kvstack.errors import UserError
 from kvstack.methods.base import Method, Observation, decode_block, recent_mask
 from kvstack.methods.merge.base import merge_states
@@ -56,7 +56,7 @@ class Policy:
         planner = stack.planner
         if planner is not None:  # `auto` measures the model once and decides at the first compression
             self.shares.planner = planner.planner(source)
-        self.fetch_pages: dict[int, int] = {}  # layer -> tier pages each head brings back per call
+        self.fetch_pages: dict[int, torch.Tensor] = {}  # layer -> (b,) tier pages a head brings back per call
 
     def check_alone(self, quantizer: Any, head_dim: int, source: Any) -> None:
         """One-line error when a stack that keeps every token (a quantizer without eviction, or
@@ -176,24 +176,37 @@ class Policy:
         full_layers = sum(not other.is_sliding for other in self.cache.layers)
         room = self.shares.room(layer, layer.seen, layer)[0]
         d = layer.keys[0].shape[-1]
-        index_bytes = len(retriever.summaries) * d * layer.keys[0].dtype.itemsize  # a page's summaries
+        index_bytes = summary_bytes(retriever.summaries, d, retriever.page, layer.keys[0].dtype.itemsize)
         keep, pages = resident_share(
             keep, room, retriever.page, retriever.select, layer.token_bytes(), index_bytes, full_layers
         )
         self.fetch_pages[layer.layer_idx] = pages
         return keep
 
-    def retrieve(self, layer: CompressedLayer, query: torch.Tensor) -> Fetched | None:
-        """The pages of `layer`'s slow tier its retriever ranks best for `query` (b, h*g, q, d),
-        read back for this attention call; None when the layer has no tier."""
+    def retrieve(self, layer: CompressedLayer, query: torch.Tensor, last: int) -> Fetched | None:
+        """The pages of `layer`'s slow tier its retriever ranks best for `query` (b, h*g, q, d)
+        (the last query at slot `last`: a text retriever reads the token ids up to it), read back
+        for this attention call; None when the layer has no tier."""
         tier, retriever = layer.tier, self.stack.retriever
-        k = min(self.fetch_pages.get(layer.layer_idx, 0), tier.n_pages if tier is not None else 0)
+        pages = self.fetch_pages.get(layer.layer_idx)
+        k = min(int(pages.max()), tier.n_pages) if tier is not None and pages is not None else 0
         if tier is None or retriever is None or k == 0:
             return None
         b, hg, q, d = query.shape
         grouped = query.reshape(b, tier.heads, (hg // tier.heads) * q, d)
-        ranks = retriever.rank(grouped, tier.index).masked_fill(~tier.page_valid(), float("-inf"))
-        return tier.fetch(retriever.choose(ranks, k))
+        ids = self.cache.seq.ids
+        text = ids[:, : last + 1].to(query.device) if ids is not None else None
+        ranks = retriever.rank(grouped, tier.index, text).masked_fill(~tier.page_valid(), float("-inf"))
+        if bool((pages < k).any()):  # a row that brings back fewer pages than the batch's most: its best only
+            place = torch.sort(ranks, dim=-1, descending=True, stable=True).indices.argsort(-1)  # (b, h, P)
+            ranks = ranks.masked_fill(place >= pages.to(ranks.device)[:, None, None], float("-inf"))
+        chosen = retriever.choose(ranks, k)
+        unranked = ranks.gather(-1, chosen.clamp(max=ranks.shape[-1] - 1)) == float("-inf")
+        fetched = tier.fetch(chosen.masked_fill(unranked, ranks.shape[-1]))
+        attended = retriever.refine(grouped, fetched.keys.to(query.device), (fetched.slots >= 0).to(query.device))
+        if attended is not None:  # tokens inside the pages left out of this call: masked as empty
+            fetched.slots = fetched.slots.masked_fill(~attended.to(fetched.slots.device), EMPTY_SLOT)
+        return fetched
 
     @cached_property
     def shares_only_grow(self) -> bool:

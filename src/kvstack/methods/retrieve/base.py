@@ -10,7 +10,6 @@ and the pages brought back for one layer at a time (`resident_share`).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -31,7 +30,7 @@ class Retriever(Rescorer):
     role: ClassVar[str] = "retriever"
     family: ClassVar[str] = "retrieve"
     cadence_from_inner: ClassVar[bool] = False
-    summaries: ClassVar[tuple[str, ...]] = ("lo", "hi")  # what the tier's resident index keeps per page
+    summaries: ClassVar[tuple[str, ...]] = ("lo", "hi")  # what the resident index keeps per page (tier.SUMMARIES)
     scorer: Method = field(default_factory=lambda: default_scorer("streaming"))
     page: int = 64
     select: int = 1024
@@ -50,16 +49,28 @@ class Retriever(Rescorer):
         """(b, h, t) what stays resident: the wrapped scorer's scores."""
         return self.scorer.score(obs)
 
-    def rank(self, queries: torch.Tensor, index: dict[str, torch.Tensor]) -> torch.Tensor:
+    def rank(
+        self, queries: torch.Tensor, index: dict[str, torch.Tensor], text: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """(b, h, P) how much each page of the tier matters to queries (b, h, g*q, d) (the g query
         heads of each KV head and the call's q queries), from the index: each of `summaries`
-        (b, h, P, d) ("lo", "hi": the keys' channel-wise minimum and maximum; "mean")."""
+        (b, h, P, d) ("lo", "hi": the keys' channel-wise minimum and maximum; "mean"; or
+        (b, h, P, page) "slots"), and, for a retriever that records them, `text` (b, s): the token
+        id of each slot up to the call's last query (-1 unknown)."""
         raise NotImplementedError
 
     def choose(self, ranks: torch.Tensor, k: int) -> torch.Tensor:
         """(b, h, k) the pages to bring back, in page order, from ranks (b, h, P) (-inf: a page
-        the head has not filled); an index >= P is no page. Default: the k best."""
-        return torch.sort(ranks.topk(k, dim=-1).indices, dim=-1).values
+        the head has not filled); an index >= P is no page. Default: the k best, ties to the
+        earlier page (a stable order: a row chooses alike alone or in a batch)."""
+        best = torch.sort(ranks, dim=-1, descending=True, stable=True).indices[..., :k]
+        return torch.sort(best, dim=-1).values
+
+    def refine(self, queries: torch.Tensor, keys: torch.Tensor, held: torch.Tensor) -> torch.Tensor | None:
+        """(b, h, n) which of the n entries brought back (keys (b, h, n, d); `held` False where an
+        entry is empty) the call's queries (b, h, g*q, d) attend: a token-level selection inside
+        the pages (None: all of them, the default)."""
+        return None
 
     def arrange(self, keys: torch.Tensor, moved: torch.Tensor) -> torch.Tensor | None:
         """(b, h, t) the order in which the tokens `moved` (b, h, t) of keys (b, h, t, d) fill the
@@ -67,21 +78,44 @@ class Retriever(Rescorer):
         return None
 
 
+@dataclass
+class TokenRetriever(Retriever):
+    """A retriever that, inside the pages it brought back, attends only the `tokens` entries its
+    `refine` picks (HISA's token indexer, TokenSelect's vote)."""
+
+    tokens: int = 256
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.tokens < 1:
+            raise ValueError(f"{self.name}: tokens must be >= 1 (attended per call), got {self.tokens}")
+
+
 def resident_share(
     keep: torch.Tensor, room: torch.Tensor, page: int, select: int, token_bytes: int, index_bytes: int, layers: int
-) -> tuple[torch.Tensor, int]:
-    """(resident (b, h), pages): how many tokens a head of a layer keeps resident and how many
-    pages it brings back per attention call, when the budget gives it `keep` (b, h) tokens of
-    `token_bytes` each and at most `room` (b,) tokens can move to the tier.
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(resident (b, h), pages (b,)): how many tokens a head of a layer keeps resident and how
+    many pages each sequence's heads bring back per attention call, when the budget gives it
+    `keep` (b, h) tokens of `token_bytes` each and at most `room` (b,) tokens can move to the tier.
 
     The tier's index costs `index_bytes` per page (ceil(room / page) pages at most). The pages
     brought back live for one layer's attention at a time, so each of the `layers` layers pays
-    1/layers of them; they get at most half of what the index leaves, and `select` tokens at most.
+    1/layers of them; they get at most half of what the index leaves a sequence's smallest head,
+    and `select` tokens at most. Each sequence on its own: a row shares alike alone or in a batch.
     """
     index = torch.ceil(torch.ceil(room.double() / page) * index_bytes / token_bytes).long() + 1  # (b,)
     # (+1: the tier's per-head entry count)
     left = keep - index[:, None]
-    spare = int(left.min()) // 2 if left.numel() else 0
-    fetched = min(select, max(spare, 0) * layers) // page * page  # tokens per head per call
-    resident = left - math.ceil(fetched / layers)
+    spare = (left.amin(-1) // 2).clamp(min=0) if left.numel() else torch.zeros_like(index)  # (b,)
+    fetched = torch.clamp(spare * layers, max=select) // page * page  # tokens per head per call
+    resident = left - torch.ceil(fetched / layers).long()[:, None]
     return resident.clamp(min=1), fetched // page
+
+
+def top_entries(scores: torch.Tensor, held: torch.Tensor, k: int) -> torch.Tensor:
+    """(b, h, n) True for the k best-scoring held entries of scores (b, h, n) per head (all held
+    ones when fewer), ties to the earlier entry."""
+    scores = scores.masked_fill(~held, float("-inf"))
+    best = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
+    chosen = torch.zeros_like(held).scatter_(-1, best, True)
+    return chosen & held

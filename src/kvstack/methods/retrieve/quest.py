@@ -60,5 +60,7 @@ class Quest(Retriever):
             pages = torch.cat([pages, pad], dim=-1)
         return pages
 
-    def rank(self, queries: torch.Tensor, index: dict[str, torch.Tensor]) -> torch.Tensor:
+    def rank(
+        self, queries: torch.Tensor, index: dict[str, torch.Tensor], text: torch.Tensor | None = None
+    ) -> torch.Tensor:
         return criticality(queries.float(), index["lo"].float(), index["hi"].float()).amax(dim=2)

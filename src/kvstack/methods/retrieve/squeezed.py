@@ -42,7 +42,9 @@ class Squeezed(Retriever):
         if self.iterations < 1:
             raise ValueError(f"{self.name}: iterations must be >= 1 (k-means steps), got {self.iterations}")
 
-    def rank(self, queries: torch.Tensor, index: dict[str, torch.Tensor]) -> torch.Tensor:
+    def rank(
+        self, queries: torch.Tensor, index: dict[str, torch.Tensor], text: torch.Tensor | None = None
+    ) -> torch.Tensor:
         return (queries.float() @ index["mean"].float().transpose(-1, -2)).amax(dim=2)
 
     def arrange(self, keys: torch.Tensor, moved: torch.Tensor) -> torch.Tensor:
