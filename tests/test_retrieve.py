@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from helpers import ids_of
 from kvstack.cache.cache import KVCache
+from kvstack.cache.layer import storage_bytes
 from kvstack.cache.tier import EMPTY_SLOT, Tier
 from kvstack.errors import UserError
 from kvstack.generate import Runner
@@ -188,6 +189,16 @@ def test_hisa_attends_exactly_the_top_tokens_and_tokenselect_votes_by_softmax():
     b = torch.softmax(torch.tensor([0.0, 0.0, 9.0]) / math.sqrt(2), 0)
     torch.testing.assert_close(votes, a + b)
     assert top_entries(votes, torch.tensor([[[True, True, False]]]), 1).tolist() == [[[True, False, False]]]
+
+
+def test_s3_records_the_token_ids_and_counts_them_as_resident(llama):
+    ids = torch.tensor([prompt(60)])
+    s3, quest = KVCache(llama, "s3(page=4, select=16)", 0.3), KVCache(llama, "quest(page=4, select=16)", 0.3)
+    for cache in (s3, quest):
+        Runner(llama, cache).forward(ids, torch.ones_like(ids))
+    assert s3.seq.ids.tolist() == ids.tolist() and quest.seq.ids is None
+    held = storage_bytes([t for layer in s3.layers for t in layer.tensors()]) + s3.working_nbytes
+    assert s3.nbytes() == held + 60 * 4  # an int32 id per slot, once for every layer
 
 
 def test_quest_brings_back_the_pages_after_its_best_ones_once_each():

@@ -287,7 +287,8 @@ class KVCache(Cache):
     def nbytes(self) -> int:
         """Bytes the cache really holds for attention, read off its tensors' storage (storage
         shared by several layers counted once)."""
-        text = [self.seq.ids] if self.seq.ids is not None else []  # token ids a text retriever ranks by
+        reads = getattr(self.stack.retriever, "reads_text", False)
+        text = [self.seq.ids] if reads and self.seq.ids is not None else []  # token ids a text retriever ranks by
         return storage_bytes([t for layer in self.layers for t in layer.tensors()] + text) + self.working_nbytes
 
     def offloaded_nbytes(self) -> int:

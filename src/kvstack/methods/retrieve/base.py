@@ -31,6 +31,7 @@ class Retriever(Rescorer):
     family: ClassVar[str] = "retrieve"
     cadence_from_inner: ClassVar[bool] = False
     summaries: ClassVar[tuple[str, ...]] = ("lo", "hi")  # what the resident index keeps per page (tier.SUMMARIES)
+    reads_text: ClassVar[bool] = False  # ranks by the token ids the cache records (their bytes are resident)
     scorer: Method = field(default_factory=lambda: default_scorer("streaming"))
     page: int = 64
     select: int = 1024

@@ -40,6 +40,7 @@ class S3(Retriever):
 
     name = "s3"
     paper = "S3-Attention (#59)"
+    reads_text: ClassVar[bool] = True
     window: int = 32
     reach: int = 1
     fuse: bool = False
