@@ -4,7 +4,7 @@ head can exceed its share; every one against its definition or the path it repla
 import pytest
 import torch
 
-from kvstack.cache.attention import few_queries
+from kvstack.cache.attention import few_queries, grouped_sdpa
 from kvstack.cache.cache import KVCache
 from kvstack.generate import Prompt, Runner, generate_ids
 from kvstack.methods.base import decode_block
@@ -72,6 +72,50 @@ def test_few_queries_by_hand():
         query, [keys[:, :1, None], keys[:, 1:, None]], [values[:, :1, None], values[:, 1:, None]], None, None, 1.0
     )
     torch.testing.assert_close(split, expected)  # the same keys in two parts: one softmax over both
+
+
+@pytest.mark.parametrize("mask_shape", [None, (1, 1), (2, 1), (1, 3), (2, 3)])
+@pytest.mark.parametrize("q", [1, 3])
+def test_grouped_sdpa_is_few_queries(mask_shape, q):
+    # a GPU's one-call path: the g query heads of a KV head as g*q queries of one head
+    g = torch.Generator().manual_seed(7)
+    query, keys, values = (torch.randn(*s, generator=g) for s in ((2, 6, q, 8), (2, 3, 9, 8), (2, 3, 9, 5)))
+    mask = None
+    if mask_shape is not None:
+        mask = torch.rand(*mask_shape, q, 9, generator=g) > 0.4
+        mask[..., 0] = True
+    want = few_queries(query, [keys], [values], mask, None, 0.4)
+    torch.testing.assert_close(grouped_sdpa(query, keys, values, mask, 0.4), want, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("spec", ["full", "snapkv", "kivi(bits=2, group=16)", "streaming"])
+def test_a_decoding_step_never_reads_the_device(llama, spec, monkeypatch):
+    # on a GPU each read (int(t), t.item(), bool(t), t.tolist()) waits for every queued kernel:
+    # the model's forward pass of a decoding step that neither evicts nor encodes does none
+    cache = KVCache(llama, spec, 0.5 if spec in ("snapkv", "streaming") else 1.0)
+    runner, one = Runner(llama, cache), torch.ones(1, 1, dtype=torch.long)
+    logits = runner.forward(torch.randint(3, 97, (1, 200)), torch.ones(1, 200, dtype=torch.long))
+    for _ in range(40):  # an evicting stack checks its shares until a block leaves room for the next steps
+        logits = runner.forward(logits.argmax(-1, keepdim=True), one)
+        if all(layer.seen + 3 <= layer.next_check for layer in cache.layers) or cache.stack.evictor is None:
+            break
+    else:
+        raise AssertionError("no block of eviction left room for three steps")
+
+    def read(*args, **kwargs):
+        raise AssertionError("a tensor was read back to the host")
+
+    forward = llama.forward
+
+    def guarded(*args, **kwargs):
+        with monkeypatch.context() as patch:
+            for name in ("item", "tolist", "__int__", "__bool__", "__float__", "__index__"):
+                patch.setattr(torch.Tensor, name, read)
+            return forward(*args, **kwargs)
+
+    monkeypatch.setattr(llama, "forward", guarded)
+    for _ in range(3):
+        logits = runner.forward(logits.argmax(-1, keepdim=True), one)
 
 
 def test_a_decoding_block_is_a_sixteenth_of_the_share_between_1_and_32():

@@ -149,20 +149,24 @@ class Runner:
         """Run one chunk (b, q); the last position's logits (b, vocab), or those of the chunk's
         positions `at` (k,) (b, k, vocab): the vocabulary projection is paid only where read."""
         device = self.model.device
+        # read before the mask moves: an unpadded batch passes no mask, so no step reads one back from the device
+        padded = self.cache.seq.padding is not None or not bool(chunk_mask.all())
         ids, chunk_mask = ids.to(device), chunk_mask.to(device)
         self.mask = chunk_mask if self.mask is None else torch.cat([self.mask, chunk_mask], dim=1)
-        positions = (self.mask.cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1] :]
         start = self.mask.shape[1] - ids.shape[1]
+        slots = torch.arange(start, self.mask.shape[1], device=device)
+        self.cache.first_slot(slots, start)  # no layer reads the slots back from the device either
+        positions = (self.mask.cumsum(-1) - 1).clamp(min=0)[:, start:] if padded else slots.expand(len(ids), -1)
         for stage in self.hooks:
             stage.tokens_in(self, ids, chunk_mask)
         out = self.model(
             input_ids=ids,
-            attention_mask=self.mask,
+            attention_mask=self.mask if padded else None,
             position_ids=positions,
             past_key_values=self.cache,
             use_cache=True,
             logits_to_keep=1 if at is None else torch.cat([at, torch.tensor([ids.shape[1] - 1])]).to(device),
-            cache_position=torch.arange(start, self.mask.shape[1], device=device),
+            cache_position=slots,
         )
         self.last_logits = out.logits[:, -1].float()
         if self.cache.needs & PROMPT_PASSES:  # only a pass over the prompt re-reads the tokens: not per step else

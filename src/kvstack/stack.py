@@ -12,6 +12,7 @@ import ast
 import math
 import re
 from dataclasses import MISSING, dataclass, fields
+from functools import cached_property
 from typing import Any
 
 from kvstack.cache.budget import Budget
@@ -24,7 +25,10 @@ from kvstack.methods.registry import method_class
 
 @dataclass(frozen=True)
 class Stack:
-    """The parsed stages of a spec; at most one selection stage (an evictor, maybe wrapped)."""
+    """The parsed stages of a spec; at most one selection stage (an evictor, maybe wrapped).
+
+    What the stages' structure says (evictor, quantizer, needs, ...) is worked out once and kept
+    (`cached_property`): the cache reads it at every layer of every decoding step."""
 
     stages: tuple[Stage, ...]
 
@@ -89,7 +93,7 @@ class Stack:
             )
         return stack
 
-    @property
+    @cached_property
     def selection(self) -> list[Stage]:
         """The selection stage and everything it wraps, outermost first (allocators, then the scorer)."""
         for stage in self.stages:
@@ -97,7 +101,7 @@ class Stack:
                 return stage.chain()
         return []
 
-    @property
+    @cached_property
     def evictor(self) -> Method | None:
         """The method whose scores decide which tokens to keep, or None for `full`."""
         for stage in self.selection:
@@ -105,7 +109,7 @@ class Stack:
                 return stage if stage.compresses else None
         return None
 
-    @property
+    @cached_property
     def retriever(self) -> Any:
         """The stage that moves what it does not keep resident to a slow tier and retrieves from it
         at each attention call (`methods/retrieve/`), or None."""
@@ -134,7 +138,7 @@ class Stack:
         """Newest tokens never evicted while decoding."""
         return self.cadence.decode_window if self.cadence is not None else 0
 
-    @property
+    @cached_property
     def quantizer(self) -> Any:
         """What decides how kept tokens are stored (a `Quantizer`, MiKV, a low-rank `Projector`, or
         a projector whose coefficients a quantizer codes), or None."""
@@ -144,12 +148,12 @@ class Stack:
             return Projected(projector, next(p for p in storing if p is not projector))
         return storing[0] if storing else None
 
-    @property
+    @cached_property
     def merger(self) -> Any:
         """The selection stage that merges the tokens it leaves out into kept ones, or None."""
         return next((s for s in self.selection if s.plays("merger")), None)
 
-    @property
+    @cached_property
     def joiner(self) -> Any:
         """The cross-layer stage that joins adjacent layers' states (MiniCache, xKV), or None."""
         return next((s for s in self.stages if s.plays("joiner")), None)
@@ -164,12 +168,12 @@ class Stack:
         """True when evicted tokens are averaged into a compensation token per head (RazorAttention)."""
         return any(s.plays("folder") for s in self.selection)
 
-    @property
+    @cached_property
     def allocators(self) -> list[Allocator]:
         """The budget allocators around the evictor, outermost first."""
         return [s for s in self.selection if s.plays("allocator")]  # type: ignore[misc]
 
-    @property
+    @cached_property
     def planner(self) -> Any:
         """The stage that plans the whole stack per head (`auto`), or None."""
         return next((s for s in self.selection if s.plays("planner")), None)
@@ -179,17 +183,17 @@ class Stack:
         """True when an allocator needs every layer's view of the prompt before compressing."""
         return any(a.whole_prompt for a in self.allocators)
 
-    @property
+    @cached_property
     def parts(self) -> list[Stage]:
         """Every stage of the stack and every stage they wrap, outermost first."""
         return [part for stage in self.stages for part in stage.chain()]
 
-    @property
+    @cached_property
     def needs(self) -> frozenset[str]:
         """Statistics the attention pass must record for this stack."""
         return frozenset().union(*(part.needs for s in self.stages for part in s.chain()))
 
-    @property
+    @cached_property
     def query_window(self) -> int:
         return max((getattr(p, "query_window", 0) for s in self.stages for p in s.chain()), default=0)
 

@@ -130,6 +130,9 @@ def few_queries(
     b, hg, q, d = query.shape
     h = keys[0].shape[1]
     g = hg // h
+    plain = len(keys) == 1 and not isinstance(keys[0], Turned) and not isinstance(values[0], Turned)
+    if query.is_cuda and plain and bias is None and keys[0].dtype == values[0].dtype == query.dtype:
+        return grouped_sdpa(query, keys[0], values[0], mask, scale)  # a GPU's fused kernel: one launch, not ten
     flat_query = query.reshape(b * h, g * q, d).float()
     parts = []
     for k in keys:  # (b*h, g*q, d) @ (b*h, d, t_i): keys are not broadcast over the group (that would copy them)
@@ -154,6 +157,22 @@ def few_queries(
         out, at = part if out is None else out.add_(part), at + t_i
     assert out is not None
     return out.view(b, hg, q, -1).to(query.dtype)
+
+
+def grouped_sdpa(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> torch.Tensor:
+    """`few_queries` over one plain part as one SDPA call: the g query heads of each KV head
+    attend as g*q queries of one head, so the fused kernel needs no GQA support and keys are
+    never repeated. query (b, h*g, q, d), keys/values (b, h, t, d), mask (b or 1, h or 1, q, t)
+    or None; returns (b, h*g, q, dv)."""
+    b, hg, q, d = query.shape
+    h = keys.shape[1]
+    g = hg // h
+    if mask is not None:  # each query's row of the mask, repeated for the g heads that share its KV head
+        mask = mask.unsqueeze(2).expand(-1, h, g, -1, -1).reshape(mask.shape[0], h, g * q, mask.shape[-1])
+    out = F.scaled_dot_product_attention(query.reshape(b, h, g * q, d), keys, values, attn_mask=mask, scale=scale)
+    return out.reshape(b, hg, q, -1)
 
 
 def kvstack_attention(

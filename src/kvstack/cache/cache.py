@@ -87,6 +87,7 @@ class KVCache(Cache):
         self._source = model_or_config
         self.compressions = 0
         self.peak_nbytes = 0  # the most `nbytes()` read while prompt chunks went in (before each compression)
+        self._first_slot: tuple[torch.Tensor | None, int] = (None, 0)  # a forward's slots and their first, on the host
         self.signals: dict[str, dict[int, torch.Tensor]] = {}  # per-layer measurements for allocators
         self.pending_signals: set[int] = set()  # layers whose forward hooks owe a signal (cache/hidden.py)
         self.confidence: torch.Tensor | None = None  # (b,) set by the decoding loop when a method asks
@@ -113,13 +114,24 @@ class KVCache(Cache):
         slots = (cache_kwargs or {}).get("cache_position")
         if slots is None:
             slots = torch.arange(layer.seen, layer.seen + key_states.shape[2], device=key_states.device)
+            self._first_slot = (slots, layer.seen)
         fresh = not layer.is_initialized
-        layer.append(key_states, value_states, slots)
+        layer.append(key_states, value_states, slots, self.first_slot(slots))
         if key_states.shape[2] > 1:
             self.seq.prompt_end = max(self.seq.prompt_end, layer.seen)
         # a layer's first chunk holds exactly these tensors: attention may read them as they came
         view = LayerView(layer, self, slots, (key_states, value_states) if fresh else None)
         return view, view
+
+    def first_slot(self, slots: torch.Tensor, first: int | None = None) -> int:
+        """The first of a forward's consecutive slots (q,), read from the device once per forward
+        (every layer gets the same tensor), or never when the caller says it (`first`): a decoding
+        step on a GPU then never waits for the device."""
+        if first is not None:
+            self._first_slot = (slots, first)
+        elif self._first_slot[0] is not slots:
+            self._first_slot = (slots, int(slots[0]))
+        return self._first_slot[1]
 
     def retrieve(self, layer: CompressedLayer, query: torch.Tensor, last: int) -> Fetched | None:
         """Pages of `layer`'s slow tier brought back for `query` (b, h*g, q, d) whose last query
@@ -197,13 +209,14 @@ class KVCache(Cache):
         """
         if query.shape[2] > 1:  # a prompt chunk: the cache is at its fullest before this layer compresses
             self.peak_nbytes = max(self.peak_nbytes, self.nbytes())
-        started = self.compress_clock.start(query.device)
-        layer.observe_queries(query.detach(), query_slots, self.query_window)
-        needs = self.needs & statistics.STATISTICS
-        if needs:
-            seen = None if self.windowless_statistics else window
-            statistics.record(layer, needs, query, query_slots, padding, seen, scale)
-        self.compress_clock.stop(started)
+        window_q, needs = self.query_window, self.needs & statistics.STATISTICS
+        if window_q or needs:  # else nothing to record, and no clock to read (a GPU step pays per event)
+            started = self.compress_clock.start(query.device)
+            layer.observe_queries(query.detach(), query_slots, window_q)
+            if needs:
+                seen = None if self.windowless_statistics else window
+                statistics.record(layer, needs, query, query_slots, padding, seen, scale)
+            self.compress_clock.stop(started)
         if not self.holding:
             self.policy.maintain(layer, decoding=query.shape[2] == 1)
 

@@ -267,13 +267,15 @@ class CompressedLayer:
         return per + (torch.tensor([], dtype=SLOT_DTYPE).element_size() if explicit_slots else 0)
 
     # ---- writing -------------------------------------------------------------------------
-    def append(self, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor) -> None:
-        """Append new tokens: keys/values (b, h, q, d) at logical slots (q,)."""
+    def append(self, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, first: int | None = None) -> None:
+        """Append new tokens: keys/values (b, h, q, d) at logical slots (q,), the consecutive slots
+        first..first+q-1 (`first` given by the cache, so a decoding step never reads the device)."""
         q = keys.shape[2]
+        first = int(slots[0]) if first is None else first
         if not self.keys:
             self.keys = PerHead(stacked=keys.contiguous())
             self.values = PerHead(stacked=values.contiguous())
-            self.start = int(slots[0])
+            self.start = first
         else:
             self.keys, self.values = self.keys.append(keys), self.values.append(values)
         if self.slots is not None:
@@ -281,7 +283,7 @@ class CompressedLayer:
             self.slots = [torch.cat([s, new], dim=1) for s in self.slots]
         for name, per_head in self.stats.items():
             self.stats[name] = [torch.cat([x, x.new_zeros(x.shape[0], q)], dim=1) for x in per_head]
-        self.seen = int(slots[-1]) + 1
+        self.seen = first + q
 
     def encode_oldest(
         self, h: int, count: int, quantizer: Any, codecs: tuple[Codec, Codec], queries: torch.Tensor | None

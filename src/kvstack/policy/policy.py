@@ -235,10 +235,11 @@ class Policy:
             return
         if self.shares.codecs is None or not layer.is_initialized:
             return
+        counts = [(layer.keys[h].shape[1] - quantizer.residual) // group * group for h in range(layer.n_kv_heads)]
+        if max(counts) <= 0:  # most steps: no whole group yet, and no clock to read
+            return
         started = self.clock.start(layer.keys[0].device)
-        for h in range(layer.n_kv_heads):
-            extra = layer.keys[h].shape[1] - quantizer.residual
-            count = extra // group * group
+        for h, count in enumerate(counts):
             if count > 0:
                 g = layer.groups
                 queries = layer.queries[:, h * g : (h + 1) * g] if layer.queries is not None else None
