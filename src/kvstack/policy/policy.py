@@ -194,7 +194,7 @@ class Policy:
             return None
         b, hg, q, d = query.shape
         grouped = query.reshape(b, tier.heads, (hg // tier.heads) * q, d)
-        ids = self.cache.seq.ids
+        ids = self.cache.seq.ids if retriever.reads_text else None  # the token ids up to the last query
         text = ids[:, : last + 1].to(query.device) if ids is not None else None
         ranks = retriever.rank(grouped, tier.index, text).masked_fill(~tier.page_valid(), float("-inf"))
         if bool((pages < k).any()):  # a row that brings back fewer pages than the batch's most: its best only

@@ -67,9 +67,7 @@ class Sentence(Rescorer):
     def tokens_in(self, runner: Any, ids: torch.Tensor, mask: torch.Tensor) -> None:
         table = sentence_table(runner.model).to(ids.device)
         ends = table[ids.clamp(0, table.shape[0] - 1)] & mask.bool()
-        cache = runner.cache
-        seen = cache.layers[0].seen if cache.layers and cache.layers[0].is_initialized else 0
-        cache.seq.mark_ends(ends, seen)
+        runner.cache.seq.mark_ends(ends, runner.cache.get_seq_length())
 
     def score(self, obs: Observation) -> torch.Tensor:
         piece = obs.positions - first_position(obs.sentence, obs.positions, obs.valid)

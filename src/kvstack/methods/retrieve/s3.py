@@ -59,9 +59,7 @@ class S3(Retriever):
         return ("slots", "lo", "hi") if self.fuse else ("slots",)
 
     def tokens_in(self, runner: Any, ids: torch.Tensor, mask: torch.Tensor) -> None:
-        cache = runner.cache
-        seen = cache.layers[0].seen if cache.layers and cache.layers[0].is_initialized else 0
-        cache.seq.record_ids(torch.where(mask.bool(), ids, -1), seen)
+        runner.cache.seq.record_ids(torch.where(mask.bool(), ids, -1), runner.cache.get_seq_length())
 
     def rank(
         self, queries: torch.Tensor, index: dict[str, torch.Tensor], text: torch.Tensor | None = None
