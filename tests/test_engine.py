@@ -6,6 +6,7 @@ import torch
 
 from kvstack.cache.attention import few_queries, grouped_sdpa
 from kvstack.cache.cache import KVCache
+from kvstack.cache.packed import Packed
 from kvstack.generate import Prompt, Runner, generate_ids
 from kvstack.methods.base import decode_block
 
@@ -201,6 +202,11 @@ def test_a_last_chunk_of_one_token_joins_the_one_before(llama):
     assert cache.seq.prompt_end == 39 and cache.layers[0].seen == 39
 
 
+def read(part):
+    """A part as float32 tokens: codes (`Packed`) decoded as the kernel reads them."""
+    return part.decode() if isinstance(part, Packed) else part.float()
+
+
 @pytest.mark.parametrize("spec", ["kivi(bits=2, group=8, residual=8)", "keydiff+adaquant(group=8, residual=8)"])
 def test_heads_alike_decode_in_one_call_as_each_head_alone(llama, spec):
     budget = 0.5 if spec.startswith("keydiff") else 1.0
@@ -210,7 +216,7 @@ def test_heads_alike_decode_in_one_call_as_each_head_alone(llama, spec):
         both = layer.layer_kv()
         if both is None:
             continue
-        keys, values = (torch.cat([p.float() for p in parts], dim=2) for parts in both)
+        keys, values = (torch.cat([read(p) for p in parts], dim=2) for parts in both)
         for h in range(layer.n_kv_heads):  # the same numbers (float32 here, the model's dtype there)
             assert torch.equal(keys[:, h].to(layer.head_keys(h).dtype), layer.head_keys(h))
             assert torch.equal(values[:, h].to(layer.head_values(h).dtype), layer.head_values(h))

@@ -8,8 +8,8 @@ from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, Llama
 VOCAB = 97
 
 
-def tiny_llama(attn: str = "kvstack", seed: int = 0) -> LlamaForCausalLM:
-    """4 layers, 4 query heads over 2 KV heads (GQA), head dim 16."""
+def tiny_llama(attn: str = "kvstack", seed: int = 0, head_dim: int = 16) -> LlamaForCausalLM:
+    """4 layers, 4 query heads over 2 KV heads (GQA), head dim 16 (or `head_dim`)."""
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=VOCAB,
@@ -18,6 +18,7 @@ def tiny_llama(attn: str = "kvstack", seed: int = 0) -> LlamaForCausalLM:
         num_hidden_layers=4,
         num_attention_heads=4,
         num_key_value_heads=2,
+        head_dim=head_dim,
         max_position_embeddings=2048,
         attn_implementation=attn,
         tie_word_embeddings=True,
@@ -25,8 +26,9 @@ def tiny_llama(attn: str = "kvstack", seed: int = 0) -> LlamaForCausalLM:
     return LlamaForCausalLM(config).eval()
 
 
-def tiny_gemma3(attn: str = "kvstack", seed: int = 0) -> Gemma3ForCausalLM:
-    """6 layers, pattern 5 sliding (window 16) : 1 global, 2 query heads over 1 KV head."""
+def tiny_gemma3(attn: str = "kvstack", seed: int = 0, head_dim: int = 32) -> Gemma3ForCausalLM:
+    """6 layers, pattern 5 sliding (window 16) : 1 global, 2 query heads over 1 KV head of
+    `head_dim` channels."""
     torch.manual_seed(seed)
     config = Gemma3TextConfig(
         vocab_size=VOCAB,
@@ -35,11 +37,11 @@ def tiny_gemma3(attn: str = "kvstack", seed: int = 0) -> Gemma3ForCausalLM:
         num_hidden_layers=6,
         num_attention_heads=2,
         num_key_value_heads=1,
-        head_dim=32,
+        head_dim=head_dim,
         sliding_window=16,
         max_position_embeddings=2048,
         attn_implementation=attn,
-        query_pre_attn_scalar=32,
+        query_pre_attn_scalar=head_dim,
     )
     return Gemma3ForCausalLM(config).eval()
 

@@ -17,6 +17,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from kvstack.cache.encoded import Turned
+from kvstack.cache.packed import Packed
 
 if TYPE_CHECKING:
     from kvstack.cache.cache import KVCache
@@ -122,7 +123,8 @@ def few_queries(
     model's, as flash kernels do; float32 once some parts were decoded from codes). Logits are
     taken part by part and joined, so parts are never copied into one tensor. A `Turned` part
     (tokens y R^T held as y) is read with the query turned, q R, and its share of the output
-    turned back, (p y) R^T: two (d, d) products per step instead of one per token. On CPU, SDPA's
+    turned back, (p y) R^T: two (d, d) products per step instead of one per token. A `Packed` part
+    (integer codes) is read by its kernel, with no float copy of its tokens. On CPU, SDPA's
     bf16 kernel with one query takes ~6 ms over 8k keys where these batched products take ~0.7 ms.
     mask: (b or 1, h or 1, q, t) True where a key may be seen; bias: (b, h, t) log-counts added
     to the logits (merged entries), or None.
@@ -130,12 +132,15 @@ def few_queries(
     b, hg, q, d = query.shape
     h = keys[0].shape[1]
     g = hg // h
-    plain = len(keys) == 1 and not isinstance(keys[0], Turned) and not isinstance(values[0], Turned)
+    plain = len(keys) == 1 and isinstance(keys[0], torch.Tensor) and isinstance(values[0], torch.Tensor)
     if query.is_cuda and plain and bias is None and keys[0].dtype == values[0].dtype == query.dtype:
         return grouped_sdpa(query, keys[0], values[0], mask, scale)  # a GPU's fused kernel: one launch, not ten
     flat_query = query.reshape(b * h, g * q, d).float()
     parts = []
     for k in keys:  # (b*h, g*q, d) @ (b*h, d, t_i): keys are not broadcast over the group (that would copy them)
+        if isinstance(k, Packed):
+            parts.append(k.logits(flat_query))
+            continue
         turned = isinstance(k, Turned)  # tokens y @ R^T: the query turns, q R, not every token
         kq, kt = (flat_query @ k.basis, k.y) if turned else (flat_query, k)
         parts.append(torch.bmm(kq, kt.float().reshape(b * h, kt.shape[2], d).transpose(1, 2)))
@@ -146,10 +151,14 @@ def few_queries(
     if mask is not None:
         logits = logits.masked_fill(~mask.unsqueeze(2), float("-inf"))
     probs = torch.softmax(logits, dim=-1).view(b * h, g * q, t)
-    dtype = values[0].dtype if len(values) == 1 and not isinstance(values[0], Turned) else torch.float32
+    dtype = values[0].dtype if len(values) == 1 and isinstance(values[0], torch.Tensor) else torch.float32
     out, at = None, 0
     for v in values:
         t_i = v.shape[2]
+        if isinstance(v, Packed):
+            part = v.mix(probs[..., at : at + t_i])
+            out, at = part if out is None else out.add_(part), at + t_i
+            continue
         vt = v.y if isinstance(v, Turned) else v
         part = torch.bmm(probs[..., at : at + t_i].to(dtype), vt.to(dtype).reshape(b * h, t_i, -1))
         if isinstance(v, Turned):  # sum p y, then back from the rotated basis: (sum p y) R^T

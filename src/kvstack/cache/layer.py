@@ -23,12 +23,13 @@ from kvstack.cache.coded import Coded, alike, compact, decode_heads
 from kvstack.cache.encoded import Codec, Encoded, Turned, Where, gather_rows
 from kvstack.cache.heads import PerHead
 from kvstack.cache.keep import Keep
+from kvstack.cache.packed import Packed, packed
 from kvstack.cache.sequence import SequenceState
 from kvstack.cache.tier import Tier
 
 SLOT_DTYPE = torch.int32
 WEIGHT = "log_count"  # per-token statistic: log of how many tokens a merged entry stands for
-Part = torch.Tensor | Turned  # tokens as attention reads them (`Turned`: on a rotated basis)
+Part = torch.Tensor | Turned | Packed  # tokens as attention reads them (on a rotated basis; as codes)
 
 
 def storage_bytes(tensors: list[torch.Tensor]) -> int:
@@ -125,18 +126,22 @@ class CompressedLayer:
 
     def head_parts(self, h: int) -> tuple[list[Part], list[Part]]:
         """Head h's keys and values as parts along its tokens in storage order, each (b, t_i, d):
-        the encoded parts decoded straight to float32 (what attention reads; `Turned` when kept on
-        a rotated basis), then the tokens held in the model's dtype; never joined into one tensor."""
-        f32 = torch.float32
-        keys = [*(c.keys.read(f32) for c in self.coded[h]), self.keys[h]]
-        return keys, [*(c.values.read(f32) for c in self.coded[h]), self.values[h]]
+        the encoded parts as codes (`Packed`, read by a kernel) or decoded straight to float32
+        (`Turned` when kept on a rotated basis), then the tokens held in the model's dtype; never
+        joined into one tensor."""
+
+        def read(enc: Encoded) -> Part:
+            return packed([enc], one_head=True) or enc.read(torch.float32)
+
+        keys = [*(read(c.keys) for c in self.coded[h]), self.keys[h]]
+        return keys, [*(read(c.values) for c in self.coded[h]), self.values[h]]
 
     def layer_kv(self) -> tuple[list[Part], list[Part]] | None:
         """(keys, values) as parts along the tokens in storage order, each (b, h, t_i, d): every
-        head's encoded parts decoded to float32 in one call per part (`Turned` when kept on a
-        rotated basis), then the tokens held in the
-        model's dtype; when the heads are alike (plain tokens stacked, the same parts with the same
-        uniform codecs and shapes, nothing merged). Else None, and attention goes head by head."""
+        head's encoded parts as codes in one `Packed` part, or decoded to float32 in one call per
+        part (`Turned` when kept on a rotated basis), then the tokens held in the model's dtype;
+        when the heads are alike (plain tokens stacked, the same parts with the same uniform codecs
+        and shapes, nothing merged). Else None, and attention goes head by head."""
         keys, values = self.keys.stacked, self.values.stacked
         if keys is None or values is None or WEIGHT in self.stats:
             return None
@@ -148,9 +153,13 @@ class CompressedLayer:
         pairs = [(p, q) for parts in self.coded for p, q in zip(parts, first, strict=True)]
         if not all(alike(p.keys, q.keys) and alike(p.values, q.values) and p.demoted == q.demoted for p, q in pairs):
             return None
-        parts, f32 = range(len(first)), torch.float32  # attention reads float32: decode straight to it
-        coded_keys = [decode_heads([self.coded[h][i].keys for h in range(self.n_kv_heads)], f32) for i in parts]
-        coded_values = [decode_heads([self.coded[h][i].values for h in range(self.n_kv_heads)], f32) for i in parts]
+
+        def read(heads: list[Encoded]) -> Part:  # attention reads float32: decode straight to it
+            return packed(heads) or decode_heads(heads, torch.float32)
+
+        heads = range(self.n_kv_heads)
+        coded_keys = [read([self.coded[h][i].keys for h in heads]) for i in range(len(first))]
+        coded_values = [read([self.coded[h][i].values for h in heads]) for i in range(len(first))]
         return [*coded_keys, keys], [*coded_values, values]
 
     def head_bias(self, h: int) -> torch.Tensor | None:
@@ -259,6 +268,26 @@ class CompressedLayer:
         queries = [self.queries] if self.queries is not None else []
         stats = [t for name, per_head in self.stats.items() if name != WEIGHT for t in per_head]
         return storage_bytes([*queries, *stats])
+
+    def full_nbytes(self) -> int:
+        """Bytes a plain full cache would hold for this layer's tokens (its window, when sliding)."""
+        held = min(self.seen, self.sliding_window - 1) if self.sliding_window else self.seen
+        return self.batch * self.n_kv_heads * held * self.token_bytes(explicit_slots=False)
+
+    def head_stats(self) -> list[dict[str, Any]]:
+        """Per head: tokens held per sequence (real ones), places and bytes held."""
+        counts = self.counts()
+        return [
+            {
+                "layer": self.layer_idx,
+                "head": h,
+                "sliding": self.is_sliding,
+                "tokens": counts[:, h].tolist(),
+                "slots": self.head_len(h),
+                "bytes": self.head_nbytes(h),
+            }
+            for h in range(self.n_kv_heads)
+        ]
 
     def token_bytes(self, explicit_slots: bool = True) -> int:
         """Bytes one token costs in one head: key, value and (once compressed) its slot."""

@@ -1,0 +1,70 @@
+"""Native kernels: small C sources shipped with kvstack, built once per machine with the system's
+C compiler into kvstack's cache folder and loaded with ctypes (no torch headers: a build takes
+about a second). Where there is no compiler, or `KVSTACK_KERNELS=0`, `library` returns None and
+callers stay on torch."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from kvstack.paths import cache_dir
+
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+log = logging.getLogger(__name__)
+
+
+def enabled() -> bool:
+    """False when `KVSTACK_KERNELS=0` asks for torch alone (to compare, or to rule the kernels out)."""
+    return os.environ.get("KVSTACK_KERNELS", "1") != "0"
+
+
+def _machine() -> str:
+    """What a `-march=native` build depends on: the architecture and the CPU's feature flags."""
+    flags = ""
+    try:
+        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    except OSError:
+        pass
+    return platform.machine() + flags
+
+
+@functools.cache
+def _load(name: str) -> ctypes.CDLL | None:
+    source = Path(__file__).with_name(f"{name}.c")
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        log.warning("kvstack: no C compiler found; quantized caches decode through torch (slower)")
+        return None
+    key = hashlib.sha256(source.read_bytes() + " ".join(FLAGS).encode() + _machine().encode()).hexdigest()[:16]
+    target = cache_dir() / "kernels" / f"{name}-{key}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            built = Path(tmp) / target.name
+            try:
+                run = subprocess.run([compiler, *FLAGS, str(source), "-o", str(built)], capture_output=True, text=True)
+                failure = (run.stderr or f"exit status {run.returncode}") if run.returncode else ""
+            except OSError as err:
+                failure = str(err)
+            if failure:
+                log.warning("kvstack: building the %s kernel with %s failed; using torch:\n%s", name, compiler, failure)
+                return None
+            os.replace(built, target)  # atomic: processes building at once each install a whole file
+        for stale in target.parent.glob(f"{name}-*.so"):  # builds of older sources or other machines
+            if stale != target:
+                stale.unlink(missing_ok=True)
+    return ctypes.CDLL(str(target))
+
+
+def library(name: str) -> ctypes.CDLL | None:
+    """The kernel library `name` (kernels/NAME.c), built on first use; None where it cannot be."""
+    return _load(name) if enabled() else None

@@ -1,0 +1,149 @@
+"""Attention read off packed codes (`Packed`, kernels/packed.c): the kernel against its definition
+(a hand-computed case, then `Packed.decode` in torch over random shapes), the model's logits with
+the kernel against those without it, and the build falling back to torch when it cannot compile."""
+
+import logging
+import shutil
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvstack.cache import kernels
+from kvstack.cache.cache import KVCache
+from kvstack.cache.encoded import Uniform, Where
+from kvstack.cache.packed import Packed, packed
+from kvstack.cache.packing import pack, packed_size
+from kvstack.generate import Runner
+from tiny import tiny_gemma3, tiny_llama
+
+needs_kernel = pytest.mark.skipif(
+    kernels.library("packed") is None and shutil.which("cc") is None, reason="no C compiler on this machine"
+)
+
+
+@needs_kernel
+def test_the_kernel_builds_where_there_is_a_compiler():
+    assert kernels.library("packed") is not None
+
+
+@needs_kernel
+def test_two_bit_keys_and_values_by_hand():
+    """One head of 64 channels; the first 4 coded [0 1 2 3] and [3 2 1 0] in two tokens sharing one
+    scale row per channel, the other 60 coded 3 with scale and zero 0 (they hold zeros)."""
+    rest = [3] * 60
+    codes = pack(torch.tensor([[[0, 1, 2, 3, *rest], [3, 2, 1, 0, *rest]]]), 2)  # (1, 2, 16): bytes 228 and 27 first
+    scale = torch.tensor([[[0.5, 1.0, 2.0, 4.0, *[0.0] * 60]]])
+    zero = torch.tensor([[[-1.0, 0.0, 1.0, 0.0, *[0.0] * 60]]])
+    part = Packed(codes, scale, zero, None, bits=2, tg=2, dg=1, dim=64, b=1, h=1)
+    # tokens: [-1, 1, 5, 12, 0...] and [0.5, 2, 3, 0, 0...]
+    query = torch.cat([torch.ones(1, 1, 4), torch.full((1, 1, 60), 7.0)], dim=-1)
+    assert torch.equal(part.logits(query), torch.tensor([[[17.0, 5.5]]]))
+    mixed = part.mix(torch.tensor([[[0.25, 0.75]]]))
+    assert torch.equal(mixed[..., :4], torch.tensor([[[0.125, 1.75, 3.5, 3.0]]]))
+    assert torch.equal(mixed[..., 4:], torch.zeros(1, 1, 60))
+
+
+def encoded_heads(b, h, n, d, bits, axis, group, keep, seed):
+    """h heads' parts of n random tokens each, coded by `Uniform`, thinned to `keep` tokens when given."""
+    g = torch.Generator().manual_seed(seed)
+    codec = Uniform(bits, axis, group)
+    parts = []
+    for head in range(h):
+        x = torch.randn(b, n, d, generator=g) * 3 + torch.randn(1, 1, d, generator=g)
+        enc = codec.encode(x.to(torch.bfloat16), Where(0, head, "key"))
+        if keep:  # the same positions in every head, so the parts stay alike
+            index = torch.sort(torch.randperm(n, generator=torch.Generator().manual_seed(seed))[:keep]).values
+            enc = enc.take(index.expand(b, -1))
+        parts.append(enc)
+    return parts
+
+
+@needs_kernel
+@settings(max_examples=60, deadline=None)
+@given(
+    b=st.integers(1, 2),
+    h=st.integers(1, 3),
+    n=st.integers(1, 70),
+    d=st.sampled_from([32, 64, 128]),
+    bits=st.sampled_from([1, 2, 4, 8]),
+    axis=st.sampled_from(["token", "channel"]),
+    group=st.sampled_from([4, 8, 32]),
+    queries=st.integers(1, 6),
+    thin=st.booleans(),
+    seed=st.integers(0, 10_000),
+)
+def test_the_kernel_reads_what_the_codes_stand_for(b, h, n, d, bits, axis, group, queries, thin, seed):
+    keep = max(1, n // 2) if thin and n > 1 else 0
+    parts = encoded_heads(b, h, n, d, bits, axis, group, keep, seed)
+    part = packed(parts)
+    per = 8 // bits  # the kernel's shapes: a token's bytes in 16s, a channel group in whole bytes
+    if packed_size(d, bits) % 16 or axis == "token" and group % per:
+        assert part is None  # decoded by torch instead
+        return
+    assert part is not None
+    x = part.decode()  # (b, h, n', d)
+    for head, enc in enumerate(parts):  # the reference agrees with the codec's own decoding
+        assert torch.equal(x[:, head].to(torch.bfloat16), enc.decode())
+    g = torch.Generator().manual_seed(seed + 1)
+    query = torch.randn(b * h, queries, d, generator=g)
+    tokens = x.reshape(b * h, -1, d)
+    spread = tokens.abs().amax() * d
+    logits = part.logits(query)
+    torch.testing.assert_close(logits, query @ tokens.transpose(1, 2), rtol=1e-5, atol=1e-5 * float(spread))
+    probs = torch.softmax(logits, -1)
+    torch.testing.assert_close(part.mix(probs), probs @ tokens, rtol=1e-5, atol=1e-5 * float(tokens.abs().amax()))
+
+
+@pytest.fixture(scope="module", params=["llama", "gemma3"])
+def wide(request):
+    """Tiny models with heads wide enough for the kernel (64 and 128 channels: 16 and 32 bytes at 2 bits)."""
+    return tiny_llama(head_dim=64) if request.param == "llama" else tiny_gemma3(head_dim=128)
+
+
+def run(model, spec, budget, kernel, monkeypatch):
+    """Logits of a padded batch of two, prefilled then decoded 16 tokens, with or without the kernel."""
+    monkeypatch.setenv("KVSTACK_KERNELS", "1" if kernel else "0")
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, 97, (2, 90), generator=g)
+    mask = torch.ones_like(ids)
+    mask[0, :20] = 0
+    cache = KVCache(model, spec, budget)
+    runner = Runner(model, cache)
+    out = [runner.forward(ids, mask)]
+    for _ in range(16):
+        out.append(runner.forward(torch.randint(3, 97, (2, 1), generator=g), torch.ones(2, 1, dtype=torch.long)))
+    read = [p for layer in cache.layers for h in range(layer.n_kv_heads) for p in layer.head_parts(h)[0]]
+    read += [p for layer in cache.layers for p in (layer.layer_kv() or ([], []))[0]]
+    return torch.stack(out), any(isinstance(p, Packed) for p in read)
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    "spec, budget",
+    [
+        ("kivi(bits=2, group=8, residual=8)", 1.0),
+        ("kivi(bits=4, group=8, residual=8)", 1.0),
+        ("int(bits=4, group=8)", 1.0),
+        ("keydiff+adaquant(group=8, residual=8)", 0.5),  # eviction thins key groups: rows read per token
+    ],
+)
+def test_the_model_decodes_the_same_with_and_without_the_kernel(wide, spec, budget, monkeypatch):
+    with_kernel, used = run(wide, spec, budget, True, monkeypatch)
+    without, unused = run(wide, spec, budget, False, monkeypatch)
+    assert used and not unused  # the kernel read some layer's codes, and only when allowed
+    torch.testing.assert_close(with_kernel, without, rtol=1e-4, atol=1e-4)
+
+
+def test_without_a_compiler_the_cache_decodes_through_torch(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("KVSTACK_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    kernels._load.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING):
+            assert kernels.library("packed") is None
+        assert "using torch" in caplog.text
+        assert packed(encoded_heads(1, 2, 16, 64, 2, "channel", 4, 0, 0)) is None
+    finally:
+        kernels._load.cache_clear()
