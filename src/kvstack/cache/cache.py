@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache
 
-from kvstack.cache import statistics
+from kvstack.cache import forks, statistics
 from kvstack.cache.attention import ATTENTION, LayerView, register
 from kvstack.cache.budget import Budget
 from kvstack.cache.factory import register_cache
@@ -84,7 +84,7 @@ class KVCache(Cache):
         # statistics see past a sliding window: KVzip's reconstruction scores the tokens a sliding
         # layer holds by the queries that repeat them, which its window would hide (kvzip.reread)
         self.windowless_statistics = False
-        self._source = model_or_config
+        self.source = model_or_config  # the model or config it was built for (forks are built alike)
         self.compressions = 0
         self.peak_nbytes = 0  # the most `nbytes()` read while prompt chunks went in (before each compression)
         self._first_slot: tuple[torch.Tensor | None, int] = (None, 0)  # a forward's slots and their first, on the host
@@ -111,12 +111,12 @@ class KVCache(Cache):
     ) -> tuple[Any, Any]:
         """Append keys/values (b, h, q, d); return a view the kvstack attention reads."""
         layer = self.layers[layer_idx]
-        slots = (cache_kwargs or {}).get("cache_position")
+        slots, first = (cache_kwargs or {}).get("cache_position"), None
         if slots is None:
-            slots = torch.arange(layer.seen, layer.seen + key_states.shape[2], device=key_states.device)
-            self._first_slot = (slots, layer.seen)
+            first = layer.seen
+            slots = torch.arange(first, first + key_states.shape[2], device=key_states.device)
         fresh = not layer.is_initialized
-        layer.append(key_states, value_states, slots, self.first_slot(slots))
+        layer.append(key_states, value_states, slots, self.first_slot(slots, first))
         if key_states.shape[2] > 1:
             self.seq.prompt_end = max(self.seq.prompt_end, layer.seen)
         # a layer's first chunk holds exactly these tensors: attention may read them as they came
@@ -230,27 +230,8 @@ class KVCache(Cache):
         return max(self.stack.query_window, self.extra_window)
 
     def fork(self, stack: Stack | str, budget: Budget | str | float) -> KVCache:
-        """A copy of this cache compressed now under another stack and budget; this cache is unchanged.
-
-        Prefill once, fork per method: in query-agnostic mode this gives the same cache as
-        compressing during prefill (prefill outputs never depend on the cache's compression).
-        """
-        stack = stack if isinstance(stack, Stack) else Stack.parse(stack)
-        missing = stack.needs - self.needs
-        if missing or stack.query_window > self.query_window:
-            raise ValueError(
-                f"this cache did not record what {stack} needs ({', '.join(sorted(missing)) or 'queries'}): "
-                f"build it with KVCache(..., observe={set(stack.needs)}, query_window={stack.query_window})"
-            )
-        new = KVCache(self._source, stack, budget)
-        new.seq = self.seq.copy()
-        new.signals = {name: dict(per_layer) for name, per_layer in self.signals.items()}
-        new.confidence = self.confidence
-        new.layers[:] = [layer.copy(new.seq, stack.needs, stack.query_window) for layer in self.layers]
-        for layer in new.layers:
-            if layer.is_initialized:
-                new.policy.maintain(layer, decoding=False)
-        return new
+        """A copy of this cache compressed now under another stack and budget (`forks.fork`)."""
+        return forks.fork(self, stack if isinstance(stack, Stack) else Stack.parse(stack), budget)
 
     @contextmanager
     def held(self) -> Iterator[None]:
@@ -267,19 +248,13 @@ class KVCache(Cache):
                 self.policy.maintain(layer, decoding=False)
 
     def probe_fork(self) -> KVCache:
-        """A full cache over this cache's tokens (tensors shared, not copied) that records the
-        queries this cache's stack reads, from its first new token on: run a question on it, then
-        `borrow_queries` from it, and this cache scores what it holds by that question alone,
-        which it never stores."""
-        probe = KVCache(self._source, "full", 1.0, query_window=self.query_window)
-        probe.seq = self.seq.copy()
-        probe.layers[:] = [layer.copy(probe.seq, frozenset(), 0) for layer in self.layers]  # no queries yet
-        return probe
+        """A full cache over this cache's tokens recording the queries this cache's stack reads: run
+        a question on it, then `borrow_queries` from it (`forks`)."""
+        return forks.probe(self)
 
     def borrow_queries(self, probe: KVCache) -> None:
         """Take the queries each layer of `probe` observed last (and their slots) as this cache's own."""
-        for mine, theirs in zip(self.layers, probe.layers, strict=True):
-            mine.queries, mine.query_slots = theirs.queries, theirs.query_slots
+        forks.borrow_queries(self, probe)
 
     @contextmanager
     def exempt(self) -> Iterator[None]:
@@ -314,30 +289,8 @@ class KVCache(Cache):
 
     def full_nbytes(self) -> int:
         """Bytes a plain full cache (transformers' dynamic cache) would hold for the same tokens."""
-        total = 0
-        for layer in self.layers:
-            if not layer.is_initialized:
-                continue
-            held = min(layer.seen, layer.sliding_window - 1) if layer.sliding_window else layer.seen
-            total += layer.batch * layer.n_kv_heads * held * layer.token_bytes(explicit_slots=False)
-        return total
+        return sum(layer.full_nbytes() for layer in self.layers if layer.is_initialized)
 
     def stats(self) -> list[dict[str, Any]]:
         """Per layer and head: tokens held (real ones) and bytes held."""
-        rows = []
-        for layer in self.layers:
-            if not layer.is_initialized:
-                continue
-            counts = layer.counts()
-            for h in range(layer.n_kv_heads):
-                rows.append(
-                    {
-                        "layer": layer.layer_idx,
-                        "head": h,
-                        "sliding": layer.is_sliding,
-                        "tokens": counts[:, h].tolist(),
-                        "slots": layer.head_len(h),
-                        "bytes": layer.head_nbytes(h),
-                    }
-                )
-        return rows
+        return [row for layer in self.layers if layer.is_initialized for row in layer.head_stats()]

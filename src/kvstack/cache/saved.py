@@ -215,7 +215,7 @@ def save(
     the model's output after the last token, kept so a loaded cache can go on without a question."""
     if not cache.is_initialized:
         raise UserError("cannot save an empty cache: prefill a context first")
-    source = cache._source
+    source = cache.source
     if not hasattr(source, "state_dict"):
         raise UserError("cannot save a cache built from a config: build it from the model")
     writer = _Writer()

@@ -57,13 +57,13 @@ def join(
         raise UserError("nothing to join: give at least one document's cache")
     first = documents[0][1]
     for ids, cache in documents:
-        if cache._source is not first._source or cache.stack.label != first.stack.label or cache.budget != first.budget:
+        if cache.source is not first.source or cache.stack.label != first.stack.label or cache.budget != first.budget:
             raise UserError("documents to join must be cached with one model, one stack and one budget")
         if cache.stack.joiner is not None:
             raise UserError(f"{cache.stack.label} shares storage across layers: its caches cannot be joined")
         if cache.layers[0].seen != len(ids):
             raise UserError(f"a document of {len(ids)} tokens has a cache of {cache.layers[0].seen}: cache it alone")
-    joined = KVCache(first._source, first.stack, first.budget)
+    joined = KVCache(first.source, first.stack, first.budget)
     shares, planner = joined.policy.shares, first.policy.shares.planner
     if shares.planner is not None and planner is not None:
         shares.planner.plan = planner.plan

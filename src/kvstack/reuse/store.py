@@ -85,7 +85,7 @@ class PrefixStore:
     def put(self, cache: KVCache, ids: list[int]) -> Path | None:
         """Store `cache` (holding context `ids`, before any question) and evict the least recently
         used files beyond `max_bytes`; None when the file alone is larger than the store."""
-        path = self.path(cache._source, cache.stack, cache.budget, ids)
+        path = self.path(cache.source, cache.stack, cache.budget, ids)
         with self._locked():
             cache.save(path, text_sha256(ids), cache.last_logits)
             _stamp(path)
