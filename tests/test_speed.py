@@ -68,6 +68,18 @@ def test_bad_input_fails_in_one_line_before_the_model_loads(args, message):
     assert message in " ".join(result.output.split())
 
 
+def test_the_defaults_fit_the_default_model(monkeypatch):
+    """`kvstack speed` with no options gets past its checks to loading SmolLM2 (8k = 8192 would not)."""
+    import kvstack.models
+
+    def load(name):
+        raise UserError(f"would load {name}")
+
+    monkeypatch.setattr(kvstack.models, "load", load)
+    result = CliRunner().invoke(app, ["speed"])
+    assert "would load smollm2-135m" in result.output, result.output
+
+
 def test_the_command_writes_json_and_png(monkeypatch, tmp_path, llama):
     import kvstack.models
 

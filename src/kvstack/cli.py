@@ -410,7 +410,9 @@ def speed(
     stacks: Annotated[
         str, typer.Option(help="comma-separated STACK@BUDGET (no @: budget 1.0); full and transformers' own are added")
     ] = SPEED_STACKS,
-    lengths: Annotated[str, typer.Option(help="comma-separated prompt lengths: 2k, 8k, 3000")] = "2k,8k",
+    lengths: Annotated[
+        str, typer.Option(help="comma-separated prompt lengths: 2k, 8000 (8k = 8192 leaves SmolLM2 no room to decode)")
+    ] = "2k,8000",
     new_tokens: Annotated[int, typer.Option(help="tokens decoded after each prompt")] = 32,
     repeats: Annotated[int, typer.Option(help="interleaved repeats per point (the median is kept)")] = 1,
     static: Annotated[bool, typer.Option(help="also transformers' StaticCache")] = False,
@@ -432,7 +434,7 @@ def speed(
         engines = list({e.label: e for e in map(Engine.parse, [*baselines, *_split(stacks)])}.values())
         tokens = sorted({_length(x) for x in _split(lengths)})
         if not tokens:
-            raise UserError("--lengths is empty: give context lengths such as 2k,8k")
+            raise UserError("--lengths is empty: give context lengths such as 2k,8000")
         from kvstack.bench.speed import measure, plot
         from kvstack.models import MODELS, load
 
