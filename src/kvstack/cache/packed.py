@@ -19,11 +19,12 @@ LANES = 16  # the kernel widens 16 bytes of a token at a time
 
 @dataclass(frozen=True)
 class Packed:
-    """Uniform codes of h heads laid along the batch, head-major (row i*b + j: head i, sequence j),
-    read as a part of shape (b, h, n, d) ((b, n, d) for one head before `unsqueeze(1)`).
+    """Uniform codes of h heads laid along the batch as attention lays its queries (row j*h + i:
+    sequence j, head i), read as a part of shape (b, h, n, d) ((b, n, d) for one head before
+    `unsqueeze(1)`).
 
-    codes (h*b, n, w) uint8; scale, zero (h*b, rows, d / dg) float32, token t reading row rows[t]
-    ((h*b, n) int32) or t // tg when `rows` is None, channel c reading column c // dg."""
+    codes (b*h, n, w) uint8; scale, zero (b*h, rows, d / dg) float32, token t reading row rows[t]
+    ((b*h, n) int32) or t // tg when `rows` is None, channel c reading column c // dg."""
 
     codes: torch.Tensor
     scale: torch.Tensor
@@ -53,34 +54,22 @@ class Packed:
         codes = unpack_float(self.codes, self.bits, self.dim).view(hb, n, -1, self.dg)
         rows = self.rows.long() if self.rows is not None else (torch.arange(n) // self.tg).expand(hb, n)
         scale, zero = gather_rows(self.scale, rows).unsqueeze(-1), gather_rows(self.zero, rows).unsqueeze(-1)
-        x = (codes * scale + zero).view(self.h, self.b, n, self.dim).transpose(0, 1)
+        x = (codes * scale + zero).view(self.b, self.h, n, self.dim)
         return x[:, 0] if self.one_head else x
 
     def logits(self, query: torch.Tensor) -> torch.Tensor:
         """(b*h, G, n) float32: query (b*h, G, d) float32 times every token's keys."""
-        q = self._heads_first(query)
+        q = query.float().contiguous()
         out = torch.empty(q.shape[0], q.shape[1], self.codes.shape[1], dtype=torch.float32)
         self._call("packed_logits", q, out)
-        return self._batch_first(out)
+        return out
 
     def mix(self, probs: torch.Tensor) -> torch.Tensor:
         """(b*h, G, d) float32: probabilities (b*h, G, n) times every token's values."""
-        p = self._heads_first(probs)
+        p = probs.float().contiguous()  # a slice of the layer's probabilities
         out = torch.empty(p.shape[0], p.shape[1], self.dim, dtype=torch.float32)
         self._call("packed_mix", p, out)
-        return self._batch_first(out)
-
-    def _heads_first(self, x: torch.Tensor) -> torch.Tensor:
-        """(b*h, ...) batch-major, as attention lays queries, to this part's head-major rows."""
-        x = x.float()
-        if self.b > 1 and self.h > 1:
-            x = x.view(self.b, self.h, *x.shape[1:]).transpose(0, 1).reshape(x.shape)
-        return x.contiguous()
-
-    def _batch_first(self, x: torch.Tensor) -> torch.Tensor:
-        if self.b > 1 and self.h > 1:
-            x = x.view(self.h, self.b, *x.shape[1:]).transpose(0, 1).reshape(x.shape)
-        return x
+        return out
 
     def _call(self, name: str, x: torch.Tensor, out: torch.Tensor) -> None:
         lib = library("packed")
@@ -109,19 +98,20 @@ def packed(parts: list[Encoded], one_head: bool = False) -> Packed | None:
         return None
     if first.tokens["codes"].device.type != "cpu" or library("packed") is None:
         return None
-    codes = _cat([p.tokens["codes"] for p in parts])
+    codes = _stack([p.tokens["codes"] for p in parts])
     if codec.axis == "token":
         meta = [p.tokens for p in parts]
         tg, dg, rows = 1, codec.group, None
     else:
         meta = [p.groups for p in parts]
         tg, dg = codec.group, 1
-        rows = _cat([p.rows() for p in parts]).to(torch.int32).contiguous() if "count" in first.groups else None
-    scale = _cat([m["scale"] for m in meta]).float().contiguous()
-    zero = _cat([m["zero"] for m in meta]).float().contiguous()
-    return Packed(codes.contiguous(), scale, zero, rows, codec.bits, tg, dg, first.dim, codes.shape[0] // len(parts),
-                  len(parts), one_head)  # fmt: skip
+        rows = _stack([p.rows() for p in parts]).to(torch.int32).contiguous() if "count" in first.groups else None
+    scale = _stack([m["scale"] for m in meta]).float().contiguous()
+    zero = _stack([m["zero"] for m in meta]).float().contiguous()
+    b, h = codes.shape[0] // len(parts), len(parts)
+    return Packed(codes.contiguous(), scale, zero, rows, codec.bits, tg, dg, first.dim, b, h, one_head)
 
 
-def _cat(xs: list[torch.Tensor]) -> torch.Tensor:
-    return xs[0] if len(xs) == 1 else torch.cat(xs)
+def _stack(xs: list[torch.Tensor]) -> torch.Tensor:
+    """h heads' (b, ...) tensors as (b*h, ...), sequence-major (row j*h + i: sequence j, head i)."""
+    return xs[0] if len(xs) == 1 else torch.stack(xs, dim=1).flatten(0, 1)
