@@ -147,3 +147,16 @@ def test_without_a_compiler_the_cache_decodes_through_torch(tmp_path, monkeypatc
         assert packed(encoded_heads(1, 2, 16, 64, 2, "channel", 4, 0, 0)) is None
     finally:
         kernels._load.cache_clear()
+
+
+def test_a_cache_folder_that_cannot_be_written_falls_back_to_torch(tmp_path, monkeypatch, caplog):
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a folder")
+    monkeypatch.setenv("KVSTACK_CACHE", str(blocked))
+    kernels._load.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING):
+            assert kernels.library("packed") is None
+        assert "using torch" in caplog.text
+    finally:
+        kernels._load.cache_clear()

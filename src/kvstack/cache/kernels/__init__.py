@@ -46,23 +46,27 @@ def _load(name: str) -> ctypes.CDLL | None:
         return None
     key = hashlib.sha256(source.read_bytes() + " ".join(FLAGS).encode() + _machine().encode()).hexdigest()[:16]
     target = cache_dir() / "kernels" / f"{name}-{key}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            built = Path(tmp) / target.name
-            try:
-                run = subprocess.run([compiler, *FLAGS, str(source), "-o", str(built)], capture_output=True, text=True)
-                failure = (run.stderr or f"exit status {run.returncode}") if run.returncode else ""
-            except OSError as err:
-                failure = str(err)
-            if failure:
-                log.warning("kvstack: building the %s kernel with %s failed; using torch:\n%s", name, compiler, failure)
-                return None
-            os.replace(built, target)  # atomic: processes building at once each install a whole file
-        for stale in target.parent.glob(f"{name}-*.so"):  # builds of older sources or other machines
-            if stale != target:
-                stale.unlink(missing_ok=True)
-    return ctypes.CDLL(str(target))
+    try:  # a cache folder that cannot be written, a failed build, a library that does not load: torch
+        if not target.exists():
+            _build(compiler, source, target)
+        return ctypes.CDLL(str(target))
+    except (OSError, subprocess.SubprocessError) as err:
+        log.warning("kvstack: the %s kernel could not be built with %s; using torch:\n%s", name, compiler, err)
+        return None
+
+
+def _build(compiler: str, source: Path, target: Path) -> None:
+    """Compile `source` into `target`, replacing older builds of it; raises OSError on failure."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        built = Path(tmp) / target.name
+        run = subprocess.run([compiler, *FLAGS, str(source), "-o", str(built)], capture_output=True, text=True)
+        if run.returncode:
+            raise OSError(run.stderr or f"exit status {run.returncode}")
+        os.replace(built, target)  # atomic: processes building at once each install a whole file
+    for stale in target.parent.glob(f"{target.name.split('-')[0]}-*.so"):  # older sources, other machines
+        if stale != target:
+            stale.unlink(missing_ok=True)
 
 
 def library(name: str) -> ctypes.CDLL | None:
