@@ -190,7 +190,7 @@ def test_context_features_by_hand():
 def test_training_text_never_appears_in_a_benchmark_haystack():
     """The addresses `kvstack train` learns on (the newest State of the Union rows) share no run of
     12 words with any text a benchmark task draws its contexts from."""
-    from kvstack.bench.data import counterfactual_nq, paul_graham_essays, state_of_the_union
+    from kvstack.bench.data import disfl_qa, paul_graham_essays, state_of_the_union
     from kvstack.bench.tasks.needle import python_docs_words
     from kvstack.bench.tasks.ruler import NOISE
 
@@ -198,7 +198,7 @@ def test_training_text_never_appears_in_a_benchmark_haystack():
         return {tuple(words[i : i + n]) for i in range(len(words) - n + 1)}
 
     bench = shingles(python_docs_words()) | shingles(NOISE.split())
-    for text in paul_graham_essays() + [row["context"] for row in counterfactual_nq()]:
+    for text in paul_graham_essays() + [row["context"] for row in disfl_qa()]:
         bench |= shingles(text.split())
     training = state_of_the_union()[-(16 + 2) :]  # `kvstack train`'s default texts and held-out rows
     shared = [s for text in training for s in shingles(text.split()) if s in bench]

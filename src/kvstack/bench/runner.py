@@ -71,10 +71,10 @@ def _essays() -> list[str]:
 
 
 def _qa(index: int, length: int, count: CountTokens, seed: int) -> Sample:
-    from kvstack.bench.data import counterfactual_nq
+    from kvstack.bench.data import disfl_qa
     from kvstack.bench.tasks.qa import qa
 
-    return qa(index, length, count, seed, counterfactual_nq())
+    return qa(index, length, count, seed, disfl_qa())
 
 
 TaskFn = Callable[[int, int, CountTokens, int], Sample]

@@ -1,7 +1,8 @@
 """RULER-style QA: the gold paragraph among distractor paragraphs, numbered as documents.
 
-Built on counterfactual Natural Questions (answers contradict memorised facts), so a model
-can only answer from the context: what the cache kept decides the score.
+Built on Disfl-QA (SQuAD 2.0 paragraphs, questions spoken with a correction): the answer is a
+span of the gold paragraph, and a distractor never holds it, so what the cache kept of that
+paragraph decides the score.
 """
 
 from __future__ import annotations
