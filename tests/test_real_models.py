@@ -223,6 +223,28 @@ def test_auto_plans_bytes_the_real_cache_then_holds(name):
         assert sliding and all(cache.plan.held[i] == 511 for i in sliding)
 
 
+def test_auto_plans_smollm2_from_the_tables_kvstack_ships(smollm2, monkeypatch):
+    """A fresh machine (the tests' calibration folder is empty) plans SmolLM2 with the default auto
+    from the curves and validation kvstack ships: nothing is measured. A change that renames
+    auto's tables fails here until they ship again (`kvstack calibrate --ship`)."""
+    from kvstack.cache.budget import Budget
+    from kvstack.calibrate import store
+    from kvstack.planning import auto, curves
+    from kvstack.stack import Stack
+
+    def never(*args, **kwargs):
+        raise AssertionError("auto measured SmolLM2 instead of reading its shipped tables")
+
+    monkeypatch.setattr(curves, "measure", never)
+    monkeypatch.setattr(auto, "losses", never)
+    store.forget()
+    key = store.model_key(smollm2.model)
+    assert not list(store.calibration_dir().glob(f"{key}-*"))  # nothing measured here
+    planned = Stack.parse("auto").stages[0].plan_for(smollm2.model, Budget.parse(0.0625), 2048)
+    assert planned.total_bytes <= 0.0625 * planned.full_bytes and planned.chosen
+    assert len(list(store.SHIPPED.glob(f"{key}-auto-*.safetensors"))) == 2  # curves and validation
+
+
 @pytest.mark.parametrize(
     "spec, budget",
     [("kvzip", 0.125), ("keydiff+adaquant(residual=32)", 0.125), ("chelsea", 0.25), ("minicache", 1.0)],

@@ -11,6 +11,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from kvstack.cli_cache import cache_app
+from kvstack.cli_calibrate import calibrate
 from kvstack.cli_eval import evaluate
 from kvstack.cli_serve import serve
 from kvstack.cli_train import train
@@ -34,6 +35,7 @@ app.add_typer(cache_app, name="cache")
 app.command()(serve)
 app.command("eval")(evaluate)
 app.command()(train)
+app.command()(calibrate)
 AGNOSTIC_HELP = "compress the context before the question is seen (reusable context)"
 # the benchmark's tasks (kvstack.bench.runner.ALL_TASKS; spelled out so `--help` imports no torch)
 TASK_NAMES = (

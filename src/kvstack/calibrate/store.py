@@ -7,6 +7,12 @@ another folder or in another dtype, reuses the saved one. Files go to
 `<cache>/calibration/<key>-<kind>.pt`, `<cache>` being kvstack's cache directory
 ($KVSTACK_CACHE, else the user cache directory, e.g. ~/.cache/kvstack); $KVSTACK_CALIBRATION
 overrides the folder (the tests keep theirs apart).
+
+Tables measured for the registered models ship with kvstack (`shipped/<key>-<kind>.safetensors`,
+written by `kvstack calibrate --ship`), so a fresh machine plans at once: a table measured here
+comes first, then a shipped one ($KVSTACK_SHIPPED=0 leaves them out), else the table is measured.
+A shipped file is checked (format, model, kind, SHA-256 of its bytes) and refused in one line
+naming the command that measures it here.
 """
 
 from __future__ import annotations
@@ -16,7 +22,8 @@ import os
 import re
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -26,10 +33,14 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from kvstack.calibrate.prose import prompt_prefix
+from kvstack.errors import UserError
 from kvstack.models.config import text_config
 from kvstack.paths import cache_dir
 
 _MEMO: dict[tuple[str, str], torch.Tensor] = {}
+SHIPPED = Path(__file__).resolve().parent / "shipped"  # tables measured for the registered models
+FORMAT = "1"  # of a shipped file: bump when a file written now could not be read back
+REBUILD = "measure it here with `kvstack calibrate --model MODEL` (or reinstall kvstack)"
 
 
 def calibration_dir() -> Path:
@@ -64,21 +75,83 @@ def model_key(model: Any) -> str:
 
 
 def calibrated(model: Any, kind: str, compute: Callable[[Any], torch.Tensor]) -> torch.Tensor:
-    """The table `kind` of this model: from memory, else from disk, else `compute(model)` (then saved).
+    """The table `kind` of this model: from memory, else from disk (measured here, else shipped with
+    kvstack), else `compute(model)` (then saved).
 
-    The table comes back on the CPU as float32. A file that cannot be read is measured again;
-    a folder that cannot be written only loses the disk copy.
+    The table comes back on the CPU as float32. A file measured here that cannot be read is
+    measured again; a folder that cannot be written only loses the disk copy.
     """
     key = (model_key(model), kind)
     if key in _MEMO:
         return _MEMO[key]
     path = calibration_dir() / f"{key[0]}-{kind}.pt"
     table = _load(path)
+    if table is None and os.environ.get("KVSTACK_SHIPPED", "1") != "0":
+        table = shipped(*key)
     if table is None:
         table = compute(model).detach().float().cpu()
         _save(table, path)
     _MEMO[key] = table
     return table
+
+
+def shipped(key: str, kind: str, folder: Path | None = None) -> torch.Tensor | None:
+    """The table `kind` shipped for the model `key`, or None when none ships; a file that is not
+    the table it is named for (format, model, kind, bytes) is refused with a `UserError`."""
+    path = (folder or SHIPPED) / f"{key}-{kind}.safetensors"
+    if not path.exists():
+        return None
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta, table = dict(f.metadata() or {}), f.get_tensor("table")
+    except Exception as e:  # safetensors raises its own error types on a damaged file
+        raise UserError(f"{path} is not a readable calibration ({type(e).__name__}): {REBUILD}") from None
+    for field, want in (("format", FORMAT), ("model_key", key), ("kind", kind)):
+        if meta.get(field) != want:
+            raise UserError(f"{path} has {field} {meta.get(field)!r}, kvstack reads {want!r}: {REBUILD}")
+    if meta.get("sha256") != _digest(table):
+        raise UserError(f"{path} is damaged (its table does not match its hash): {REBUILD}")
+    return table.float()
+
+
+def ship_tables(model: Any, folder: Path | None = None) -> list[Path]:
+    """Write every table this process used for `model` (memoised) where kvstack ships them
+    (`folder`, default the package's), each with its format, model, kind and SHA-256."""
+    from safetensors.torch import save_file
+
+    key, out = model_key(model), []
+    for (owner, kind), table in sorted(_MEMO.items()):
+        if owner != key:
+            continue
+        path = (folder or SHIPPED) / f"{key}-{kind}.safetensors"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tensor = table.detach().float().contiguous()
+        meta = {"format": FORMAT, "model_key": key, "kind": kind, "sha256": _digest(tensor)}
+        save_file({"table": tensor}, str(path.with_suffix(".partial")), metadata=meta)
+        path.with_suffix(".partial").replace(path)
+        out.append(path)
+    return out
+
+
+@contextmanager
+def without_shipped() -> Iterator[None]:
+    """Inside, tables are read only where they were measured here (or measured now): what
+    `kvstack calibrate` measures is the model's own, not a copy of the shipped tables."""
+    before = os.environ.get("KVSTACK_SHIPPED")
+    os.environ["KVSTACK_SHIPPED"] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["KVSTACK_SHIPPED"]
+        else:
+            os.environ["KVSTACK_SHIPPED"] = before
+
+
+def _digest(table: torch.Tensor) -> str:
+    return hashlib.sha256(table.float().contiguous().numpy().tobytes()).hexdigest()
 
 
 def forget() -> None:
