@@ -34,8 +34,8 @@ def test_two_bit_keys_and_values_by_hand():
     scale row per channel, the other 60 coded 3 with scale and zero 0 (they hold zeros)."""
     rest = [3] * 60
     codes = pack(torch.tensor([[[0, 1, 2, 3, *rest], [3, 2, 1, 0, *rest]]]), 2)  # (1, 2, 16): bytes 228 and 27 first
-    scale = torch.tensor([[[0.5, 1.0, 2.0, 4.0, *[0.0] * 60]]])
-    zero = torch.tensor([[[-1.0, 0.0, 1.0, 0.0, *[0.0] * 60]]])
+    scale = torch.tensor([[[0.5, 1.0, 2.0, 4.0, *[0.0] * 60]]], dtype=torch.float16)
+    zero = torch.tensor([[[-1.0, 0.0, 1.0, 0.0, *[0.0] * 60]]], dtype=torch.float16)
     part = Packed(codes, scale, zero, None, bits=2, tg=2, dg=1, dim=64, b=1, h=1)
     # tokens: [-1, 1, 5, 12, 0...] and [0.5, 2, 3, 0, 0...]
     query = torch.cat([torch.ones(1, 1, 4), torch.full((1, 1, 60), 7.0)], dim=-1)
@@ -96,6 +96,19 @@ def test_the_kernel_reads_what_the_codes_stand_for(b, h, n, d, bits, axis, group
     torch.testing.assert_close(part.mix(probs), probs @ tokens, rtol=1e-5, atol=1e-5 * float(tokens.abs().amax()))
 
 
+@needs_kernel
+def test_one_heads_part_is_read_in_place_and_kept_for_the_next_step():
+    """The kernel reads a head's own codes, float16 scales and group counts (no copy is made, so
+    no byte is held beyond what the cache counts), and the next step reuses the part as it is."""
+    (enc,) = encoded_heads(1, 1, 64, 64, 2, "channel", 32, 60, 0)  # thinned: groups count what they hold
+    part = packed([enc], one_head=True)
+    assert part is not None and part.counts is not None and part.scale.dtype == torch.float16
+    own = (enc.tokens["codes"], enc.groups["scale"], enc.groups["zero"], enc.groups["count"])
+    assert [x.data_ptr() for x in (part.codes, part.scale, part.zero, part.counts)] == [x.data_ptr() for x in own]
+    assert packed([enc], one_head=True) is part and packed([enc]).shape == (1, 1, 60, 64)
+    assert packed([enc.take(torch.arange(50)[None])], one_head=True) is not part  # another part, read anew
+
+
 @pytest.fixture(scope="module", params=["llama", "gemma3"])
 def wide(request):
     """Tiny models with heads wide enough for the kernel (64 and 128 channels: 16 and 32 bytes at 2 bits)."""
@@ -126,7 +139,7 @@ def run(model, spec, budget, kernel, monkeypatch):
         ("kivi(bits=2, group=8, residual=8)", 1.0),
         ("kivi(bits=4, group=8, residual=8)", 1.0),
         ("int(bits=4, group=8)", 1.0),
-        ("keydiff+adaquant(group=8, residual=8)", 0.5),  # eviction thins key groups: rows read per token
+        ("keydiff+adaquant(group=8, residual=8)", 0.5),  # eviction thins key groups: their counts walked
     ],
 )
 def test_the_model_decodes_the_same_with_and_without_the_kernel(wide, spec, budget, monkeypatch):

@@ -15,6 +15,7 @@ from kvstack.cache.kernels import library
 from kvstack.cache.packing import packed_size, unpack_float
 
 LANES = 16  # the kernel widens 16 bytes of a token at a time
+MEMO = "_packed"  # where one head's `Packed` part is kept on its `Encoded` part
 
 
 @dataclass(frozen=True)
@@ -23,13 +24,15 @@ class Packed:
     sequence j, head i), read as a part of shape (b, h, n, d) ((b, n, d) for one head before
     `unsqueeze(1)`).
 
-    codes (b*h, n, w) uint8; scale, zero (b*h, rows, d / dg) float32, token t reading row rows[t]
-    ((b*h, n) int32) or t // tg when `rows` is None, channel c reading column c // dg."""
+    codes (b*h, n, w) uint8; scale, zero (b*h, rows, d / dg) float16, as the codec stores them
+    (read in place, never copied to float32), token t reading row t // tg, or with `counts`
+    ((b*h, rows) int16: what each group holds after evictions) the row whose run holds t;
+    channel c reading column c // dg."""
 
     codes: torch.Tensor
     scale: torch.Tensor
     zero: torch.Tensor
-    rows: torch.Tensor | None
+    counts: torch.Tensor | None
     bits: int
     tg: int
     dg: int
@@ -52,8 +55,14 @@ class Packed:
         what the kernel reads, spelled out (tests check the kernel against it)."""
         hb, n, _ = self.codes.shape
         codes = unpack_float(self.codes, self.bits, self.dim).view(hb, n, -1, self.dg)
-        rows = self.rows.long() if self.rows is not None else (torch.arange(n) // self.tg).expand(hb, n)
-        scale, zero = gather_rows(self.scale, rows).unsqueeze(-1), gather_rows(self.zero, rows).unsqueeze(-1)
+        at = torch.arange(n)
+        if self.counts is None:
+            rows = (at // self.tg).expand(hb, n)
+        else:  # the first row whose run ends past t
+            ends = self.counts.long().cumsum(1)
+            rows = torch.searchsorted(ends, at.expand(hb, n).contiguous(), right=True).clamp(max=ends.shape[1] - 1)
+        scale = gather_rows(self.scale.float(), rows).unsqueeze(-1)
+        zero = gather_rows(self.zero.float(), rows).unsqueeze(-1)
         x = (codes * scale + zero).view(self.b, self.h, n, self.dim)
         return x[:, 0] if self.one_head else x
 
@@ -76,11 +85,11 @@ class Packed:
         assert lib is not None
         n, w = self.codes.shape[1], self.codes.shape[2]
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        rows = ptr(self.rows.data_ptr()) if self.rows is not None else None
+        counts = ptr(self.counts.data_ptr()) if self.counts is not None else None
         getattr(lib, name)(
             i64(self.codes.shape[0]), i64(n), i64(self.dim), i64(w), ctypes.c_int(self.bits),
             ptr(self.codes.data_ptr()), ptr(self.scale.data_ptr()), ptr(self.zero.data_ptr()),
-            i64(self.scale.shape[1]), i64(self.tg), i64(self.dg), rows,
+            i64(self.scale.shape[1]), i64(self.tg), i64(self.dg), counts,
             ptr(x.data_ptr()), i64(x.shape[1]), ptr(out.data_ptr()), ctypes.c_int(torch.get_num_threads()),
         )  # fmt: skip
 
@@ -88,7 +97,29 @@ class Packed:
 def packed(parts: list[Encoded], one_head: bool = False) -> Packed | None:
     """The parts of h heads (alike: one `Uniform` rule, the same shapes) as one `Packed` part read
     as (b, h, n, d), or as (b, n, d) for `one_head`; None where the kernel does not apply (then
-    they are decoded)."""
+    they are decoded). One head's part reads its own tensors in place, so it is kept on the part
+    (`Encoded` parts never change once made) and the next decoding step takes it as it is."""
+    if library("packed") is None:
+        return None
+    kept = parts[0].__dict__.get(MEMO) if len(parts) == 1 else None
+    if kept is not None:
+        return kept if kept.one_head == one_head else replace(kept, one_head=one_head)
+    part = _packed(parts, one_head)
+    if part is not None and len(parts) == 1 and _in_place(part, parts[0]):
+        parts[0].__dict__[MEMO] = part  # views of the part's own tensors: no byte more is held
+    return part
+
+
+def _in_place(part: Packed, enc: Encoded) -> bool:
+    """True when `part` reads `enc`'s own tensors (nothing was stacked, converted or copied)."""
+    meta = enc.tokens if enc.codec.axis == "token" else enc.groups  # type: ignore[attr-defined]
+    mine, theirs = [part.codes, part.scale, part.zero], [enc.tokens["codes"], meta["scale"], meta["zero"]]
+    if part.counts is not None:
+        mine, theirs = [*mine, part.counts], [*theirs, enc.groups["count"]]
+    return all(a.data_ptr() == b.data_ptr() and a.shape == b.shape for a, b in zip(mine, theirs, strict=True))
+
+
+def _packed(parts: list[Encoded], one_head: bool) -> Packed | None:
     first = parts[0]
     codec = first.codec
     if type(codec) is not Uniform or codec.bits not in (1, 2, 4, 8) or first.n == 0:
@@ -96,20 +127,23 @@ def packed(parts: list[Encoded], one_head: bool = False) -> Packed | None:
     per = 8 // codec.bits  # codes to a byte: a token's bytes come in 16s, a channel group in whole bytes
     if packed_size(first.dim, codec.bits) % LANES or first.dim % per or codec.axis == "token" and codec.group % per:
         return None
-    if first.tokens["codes"].device.type != "cpu" or library("packed") is None:
+    if first.tokens["codes"].device.type != "cpu":
         return None
+    meta = [p.tokens if codec.axis == "token" else p.groups for p in parts]
+    if any(m["scale"].dtype != torch.float16 or m["zero"].dtype != torch.float16 for m in meta):
+        return None  # the kernel reads float16 metadata (`encoded.META_DTYPE`)
     codes = _stack([p.tokens["codes"] for p in parts])
     if codec.axis == "token":
-        meta = [p.tokens for p in parts]
-        tg, dg, rows = 1, codec.group, None
+        tg, dg, counts = 1, codec.group, None
     else:
-        meta = [p.groups for p in parts]
         tg, dg = codec.group, 1
-        rows = _stack([p.rows() for p in parts]).to(torch.int32).contiguous() if "count" in first.groups else None
-    scale = _stack([m["scale"] for m in meta]).float().contiguous()
-    zero = _stack([m["zero"] for m in meta]).float().contiguous()
+        counts = _stack([p.groups["count"] for p in parts]).contiguous() if "count" in first.groups else None
+    scale = _stack([m["scale"] for m in meta]).contiguous()
+    zero = _stack([m["zero"] for m in meta]).contiguous()
     b, h = codes.shape[0] // len(parts), len(parts)
-    return Packed(codes.contiguous(), scale, zero, rows, codec.bits, tg, dg, first.dim, b, h, one_head)
+    if counts is not None and counts.dtype != torch.int16:
+        counts = counts.to(torch.int16)
+    return Packed(codes.contiguous(), scale, zero, counts, codec.bits, tg, dg, first.dim, b, h, one_head)
 
 
 def _stack(xs: list[torch.Tensor]) -> torch.Tensor:

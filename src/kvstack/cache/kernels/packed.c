@@ -7,8 +7,10 @@
  *   codes (B, n, w) uint8: token t's d = w * per codes packed along the channels, per = 8 / bits
  *     to a byte, the lowest bits first (kvstack.cache.packing.pack): channel c = j * per + i sits
  *     in byte j at bits i * bits;
- *   scale, zero (B, srows, d / dg) float32: token t reads row rows[t] (t / tg when rows is NULL;
- *     rows never decrease along t), channel c reads column c / dg: x[t][c] = code * scale + zero;
+ *   scale, zero (B, srows, d / dg) float16: token t reads row t / tg, or, with group counts
+ *     counts (B, srows) int16, the row whose run of counts holds t (a group that lost tokens to an
+ *     eviction counts what it still holds; empty ones are skipped); channel c reads column c / dg:
+ *     x[t][c] = code * scale + zero;
  *   q (B, G, d), p (B, G, n) float32: G queries per KV head (query heads x new tokens).
  * packed_logits: out (B, G, n) = q . x[t].  packed_mix: out (B, G, d) = sum_t p[t] x[t].
  *
@@ -26,6 +28,7 @@
 typedef float vf __attribute__((vector_size(4 * L)));
 typedef int32_t vi __attribute__((vector_size(4 * L)));
 typedef uint8_t vb __attribute__((vector_size(L)));
+typedef _Float16 half;
 #define INLINE static inline __attribute__((always_inline))
 
 INLINE vf *vectors(int64_t count) { return aligned_alloc(64, (size_t)(count > 0 ? count : 1) * sizeof(vf)); }
@@ -58,8 +61,24 @@ INLINE void unpack(const uint8_t *row, int64_t chunks, int bits, vf *x) {
     }
 }
 
+/* The group row of token t0 of a run (row r covers counts[r] tokens; past the last, the last):
+ * *first is the token that row starts at. */
+INLINE int64_t row_of(const int16_t *counts, int64_t srows, int64_t t0, int64_t *first) {
+    int64_t r = 0, at = 0;
+    while (r < srows - 1 && t0 >= at + counts[r]) at += counts[r++];
+    *first = at;
+    return r;
+}
+
 /* v (d) in channel order -> out (per * chunks vectors) in plane order */
-INLINE void plane(const float *v, int64_t chunks, int per, vf *out) {
+INLINE void plane_f(const float *v, int64_t chunks, int per, vf *out) {
+    for (int i = 0; i < per; i++)
+        for (int64_t ch = 0; ch < chunks; ch++)
+            for (int l = 0; l < L; l++) out[i * chunks + ch][l] = v[(ch * L + l) * per + i];
+}
+
+/* the same for float16 values (a row of scales or zeros) */
+INLINE void plane(const half *v, int64_t chunks, int per, vf *out) {
     for (int i = 0; i < per; i++)
         for (int64_t ch = 0; ch < chunks; ch++)
             for (int l = 0; l < L; l++) out[i * chunks + ch][l] = v[(ch * L + l) * per + i];
@@ -73,16 +92,16 @@ INLINE void group_masks(int64_t width, int64_t chunks, int64_t wg, vf *mask) {
 }
 
 /* sv[ch]: each lane's scale (or zero) for a token with per-group values s (width) */
-INLINE void spread(const float *s, const vf *mask, int64_t width, int64_t chunks, vf *sv) {
+INLINE void spread(const half *s, const vf *mask, int64_t width, int64_t chunks, vf *sv) {
     for (int64_t ch = 0; ch < chunks; ch++) {
         vf acc = {0};
-        for (int64_t k = 0; k < width; k++) acc += s[k] * mask[k * chunks + ch];
+        for (int64_t k = 0; k < width; k++) acc += (float)s[k] * mask[k * chunks + ch];
         sv[ch] = acc;
     }
 }
 
-INLINE void logits(int64_t B, int64_t n, int64_t d, int64_t w, int bits, int64_t chunks, const uint8_t *codes, const float *scale,
-                   const float *zero, int64_t srows, int64_t tg, int64_t dg, const int32_t *rows, const float *q,
+INLINE void logits(int64_t B, int64_t n, int64_t d, int64_t w, int bits, int64_t chunks, const uint8_t *codes, const half *scale,
+                   const half *zero, int64_t srows, int64_t tg, int64_t dg, const int16_t *counts, const float *q,
                    int64_t G, float *out, int threads) {
     const int per = 8 / bits;
     const int64_t nv = per * chunks, width = d / dg;
@@ -97,7 +116,7 @@ INLINE void logits(int64_t B, int64_t n, int64_t d, int64_t w, int bits, int64_t
         share(n, &t0, &t1);
         for (int64_t b = 0; b < B; b++) {
             const float *qb = q + b * G * d;
-            for (int64_t g = 0; g < G; g++) plane(qb + g * d, chunks, per, qp + g * nv);
+            for (int64_t g = 0; g < G; g++) plane_f(qb + g * d, chunks, per, qp + g * nv);
             for (int64_t g = 0; g < G && dg > 1; g++)
                 for (int64_t k = 0; k < width; k++) {
                     float sum = 0.0f;
@@ -105,9 +124,16 @@ INLINE void logits(int64_t B, int64_t n, int64_t d, int64_t w, int bits, int64_t
                     zq[g * width + k] = sum;
                 }
             int64_t held = -1;
-            for (int64_t t = t0, r = t0 / tg, k = t0 % tg; t < t1; t++, k = k + 1 == tg ? 0 : k + 1, r += k == 0) {
-                if (rows) r = rows[b * n + t];
-                const float *s = scale + (b * srows + r) * width, *z = zero + (b * srows + r) * width;
+            const int16_t *cb = counts ? counts + b * srows : NULL;
+            int64_t first = 0, r = cb ? row_of(cb, srows, t0, &first) : t0 / tg;
+            for (int64_t t = t0, k = t0 % tg; t < t1; t++) {
+                if (cb) { /* the next row once this one's tokens are read */
+                    while (r < srows - 1 && t >= first + cb[r]) first += cb[r++];
+                } else if (t > t0) {
+                    k = k + 1 == tg ? 0 : k + 1;
+                    r += k == 0;
+                }
+                const half *s = scale + (b * srows + r) * width, *z = zero + (b * srows + r) * width;
                 unpack(codes + (b * n + t) * w, chunks, bits, x);
                 float *o = out + b * G * n + t;
                 if (dg == 1) {
@@ -116,7 +142,7 @@ INLINE void logits(int64_t B, int64_t n, int64_t d, int64_t w, int bits, int64_t
                         for (int64_t g = 0; g < G; g++) {
                             for (int64_t v = 0; v < nv; v++) qs[g * nv + v] = qp[g * nv + v] * srow[v];
                             float zsum = 0.0f;
-                            for (int64_t c = 0; c < d; c++) zsum += qb[g * d + c] * z[c];
+                            for (int64_t c = 0; c < d; c++) zsum += qb[g * d + c] * (float)z[c];
                             bias[g] = zsum;
                         }
                         held = r;
@@ -133,7 +159,7 @@ INLINE void logits(int64_t B, int64_t n, int64_t d, int64_t w, int bits, int64_t
                         vf acc = {0};
                         for (int64_t v = 0; v < nv; v++) acc += qp[g * nv + v] * x[v];
                         float zsum = 0.0f;
-                        for (int64_t kk = 0; kk < width; kk++) zsum += z[kk] * zq[g * width + kk];
+                        for (int64_t kk = 0; kk < width; kk++) zsum += (float)z[kk] * zq[g * width + kk];
                         o[g * n] = hsum(acc) + zsum;
                     }
                 }
@@ -143,8 +169,8 @@ INLINE void logits(int64_t B, int64_t n, int64_t d, int64_t w, int bits, int64_t
     }
 }
 
-INLINE void mix(int64_t B, int64_t n, int64_t d, int64_t w, int bits, int64_t chunks, const uint8_t *codes, const float *scale,
-                const float *zero, int64_t srows, int64_t tg, int64_t dg, const int32_t *rows, const float *p,
+INLINE void mix(int64_t B, int64_t n, int64_t d, int64_t w, int bits, int64_t chunks, const uint8_t *codes, const half *scale,
+                const half *zero, int64_t srows, int64_t tg, int64_t dg, const int16_t *counts, const float *p,
                 int64_t G, float *out, int threads) {
     const int per = 8 / bits;
     const int64_t nv = per * chunks, width = d / dg;
@@ -162,9 +188,16 @@ INLINE void mix(int64_t B, int64_t n, int64_t d, int64_t w, int bits, int64_t ch
             memset(zacc, 0, sizeof(float) * G * width);
             const float *pb = p + b * G * n;
             int64_t held = -1;
-            for (int64_t t = t0, r = t0 / tg, k = t0 % tg; t < t1; t++, k = k + 1 == tg ? 0 : k + 1, r += k == 0) {
-                if (rows) r = rows[b * n + t];
-                const float *s = scale + (b * srows + r) * width, *z = zero + (b * srows + r) * width;
+            const int16_t *cb = counts ? counts + b * srows : NULL;
+            int64_t first = 0, r = cb ? row_of(cb, srows, t0, &first) : t0 / tg;
+            for (int64_t t = t0, k = t0 % tg; t < t1; t++) {
+                if (cb) { /* the next row once this one's tokens are read */
+                    while (r < srows - 1 && t >= first + cb[r]) first += cb[r++];
+                } else if (t > t0) {
+                    k = k + 1 == tg ? 0 : k + 1;
+                    r += k == 0;
+                }
+                const half *s = scale + (b * srows + r) * width, *z = zero + (b * srows + r) * width;
                 unpack(codes + (b * n + t) * w, chunks, bits, x);
                 if (dg == 1) {
                     if (r != held) {
@@ -180,7 +213,7 @@ INLINE void mix(int64_t B, int64_t n, int64_t d, int64_t w, int bits, int64_t ch
                 for (int64_t g = 0; g < G; g++) {
                     const float pg = pb[g * n + t];
                     for (int64_t v = 0; v < nv; v++) acc[g * nv + v] += pg * x[v];
-                    for (int64_t kk = 0; kk < width && dg > 1; kk++) zacc[g * width + kk] += pg * z[kk];
+                    for (int64_t kk = 0; kk < width && dg > 1; kk++) zacc[g * width + kk] += pg * (float)z[kk];
                 }
             }
 #pragma omp critical
@@ -213,15 +246,15 @@ INLINE void mix(int64_t B, int64_t n, int64_t d, int64_t w, int bits, int64_t ch
     case 8: CHUNKS(fn, 8, __VA_ARGS__) break;                                                                          \
     }
 
-void packed_logits(int64_t B, int64_t n, int64_t d, int64_t w, int bits, const uint8_t *codes, const float *scale,
-                   const float *zero, int64_t srows, int64_t tg, int64_t dg, const int32_t *rows, const float *q,
+void packed_logits(int64_t B, int64_t n, int64_t d, int64_t w, int bits, const uint8_t *codes, const half *scale,
+                   const half *zero, int64_t srows, int64_t tg, int64_t dg, const int16_t *counts, const float *q,
                    int64_t G, float *out, int threads) {
-    WIDTHS(logits, codes, scale, zero, srows, tg, dg, rows, q, G, out, threads)
+    WIDTHS(logits, codes, scale, zero, srows, tg, dg, counts, q, G, out, threads)
 }
 
-void packed_mix(int64_t B, int64_t n, int64_t d, int64_t w, int bits, const uint8_t *codes, const float *scale,
-                const float *zero, int64_t srows, int64_t tg, int64_t dg, const int32_t *rows, const float *p,
+void packed_mix(int64_t B, int64_t n, int64_t d, int64_t w, int bits, const uint8_t *codes, const half *scale,
+                const half *zero, int64_t srows, int64_t tg, int64_t dg, const int16_t *counts, const float *p,
                 int64_t G, float *out, int threads) {
     memset(out, 0, sizeof(float) * B * G * d);
-    WIDTHS(mix, codes, scale, zero, srows, tg, dg, rows, p, G, out, threads)
+    WIDTHS(mix, codes, scale, zero, srows, tg, dg, counts, p, G, out, threads)
 }
