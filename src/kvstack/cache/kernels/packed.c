@@ -61,12 +61,15 @@ INLINE void unpack(const uint8_t *row, int64_t chunks, int bits, vf *x) {
     }
 }
 
-/* The group row of token t0 of a run (row r covers counts[r] tokens; past the last, the last):
- * *first is the token that row starts at. */
-INLINE int64_t row_of(const int16_t *counts, int64_t srows, int64_t t0, int64_t *first) {
-    int64_t r = 0, at = 0;
-    while (r < srows - 1 && t0 >= at + counts[r]) at += counts[r++];
-    *first = at;
+/* Token t's group row, walking on from row r (which starts at token *first): row r covers
+ * counts[r] tokens (tg when counts is NULL); empty rows are passed over; the last row takes the rest. */
+INLINE int64_t row_at(const int16_t *counts, int64_t tg, int64_t srows, int64_t t, int64_t r, int64_t *first) {
+    while (r < srows - 1) {
+        const int64_t size = counts ? counts[r] : tg;
+        if (t < *first + size) break;
+        *first += size;
+        r++;
+    }
     return r;
 }
 
@@ -125,14 +128,9 @@ INLINE void logits(int64_t B, int64_t n, int64_t d, int64_t w, int bits, int64_t
                 }
             int64_t held = -1;
             const int16_t *cb = counts ? counts + b * srows : NULL;
-            int64_t first = 0, r = cb ? row_of(cb, srows, t0, &first) : t0 / tg;
-            for (int64_t t = t0, k = t0 % tg; t < t1; t++) {
-                if (cb) { /* the next row once this one's tokens are read */
-                    while (r < srows - 1 && t >= first + cb[r]) first += cb[r++];
-                } else if (t > t0) {
-                    k = k + 1 == tg ? 0 : k + 1;
-                    r += k == 0;
-                }
+            int64_t first = 0, r = 0;
+            for (int64_t t = t0; t < t1; t++) {
+                r = row_at(cb, tg, srows, t, r, &first);
                 const half *s = scale + (b * srows + r) * width, *z = zero + (b * srows + r) * width;
                 unpack(codes + (b * n + t) * w, chunks, bits, x);
                 float *o = out + b * G * n + t;
@@ -189,14 +187,9 @@ INLINE void mix(int64_t B, int64_t n, int64_t d, int64_t w, int bits, int64_t ch
             const float *pb = p + b * G * n;
             int64_t held = -1;
             const int16_t *cb = counts ? counts + b * srows : NULL;
-            int64_t first = 0, r = cb ? row_of(cb, srows, t0, &first) : t0 / tg;
-            for (int64_t t = t0, k = t0 % tg; t < t1; t++) {
-                if (cb) { /* the next row once this one's tokens are read */
-                    while (r < srows - 1 && t >= first + cb[r]) first += cb[r++];
-                } else if (t > t0) {
-                    k = k + 1 == tg ? 0 : k + 1;
-                    r += k == 0;
-                }
+            int64_t first = 0, r = 0;
+            for (int64_t t = t0; t < t1; t++) {
+                r = row_at(cb, tg, srows, t, r, &first);
                 const half *s = scale + (b * srows + r) * width, *z = zero + (b * srows + r) * width;
                 unpack(codes + (b * n + t) * w, chunks, bits, x);
                 if (dg == 1) {
