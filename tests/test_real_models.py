@@ -223,10 +223,10 @@ def test_auto_plans_bytes_the_real_cache_then_holds(name):
         assert sliding and all(cache.plan.held[i] == 511 for i in sliding)
 
 
-def test_auto_plans_smollm2_from_the_tables_kvstack_ships(smollm2, monkeypatch):
-    """A fresh machine (the tests' calibration folder is empty) plans SmolLM2 with the default auto
-    from the curves and validation kvstack ships: nothing is measured. A change that renames
-    auto's tables fails here until they ship again (`kvstack calibrate --ship`)."""
+def test_auto_plans_smollm2_from_the_tables_kvstack_ships(smollm2, monkeypatch, tmp_path):
+    """A fresh machine (an empty calibration folder) plans SmolLM2 with the default auto from the
+    curves and validation kvstack ships: nothing is measured. A change that renames auto's
+    tables fails here until they ship again (`kvstack calibrate --ship`)."""
     from kvstack.cache.budget import Budget
     from kvstack.calibrate import store
     from kvstack.planning import auto, curves
@@ -237,12 +237,15 @@ def test_auto_plans_smollm2_from_the_tables_kvstack_ships(smollm2, monkeypatch):
 
     monkeypatch.setattr(curves, "measure", never)
     monkeypatch.setattr(auto, "losses", never)
+    monkeypatch.setenv("KVSTACK_CALIBRATION", str(tmp_path))
     store.forget()
     key = store.model_key(smollm2.model)
     assert not list(store.calibration_dir().glob(f"{key}-*"))  # nothing measured here
     planned = Stack.parse("auto").stages[0].plan_for(smollm2.model, Budget.parse(0.0625), 2048)
     assert planned.total_bytes <= 0.0625 * planned.full_bytes and planned.chosen
     assert len(list(store.SHIPPED.glob(f"{key}-auto-*.safetensors"))) == 2  # curves and validation
+    assert not list(tmp_path.iterdir())  # read in place, nothing measured or copied here
+    store.forget()
 
 
 @pytest.mark.parametrize(
