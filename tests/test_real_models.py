@@ -240,6 +240,8 @@ def test_auto_plans_smollm2_from_the_tables_kvstack_ships(smollm2, monkeypatch, 
     monkeypatch.setenv("KVSTACK_CALIBRATION", str(tmp_path))
     store.forget()
     key = store.model_key(smollm2.model)
+    if smollm2.model.dtype != torch.bfloat16 and not list(store.SHIPPED.glob(f"{key}-*")):
+        pytest.skip("SmolLM2's tables ship as measured in bf16 (CPUs with AVX512-BF16 or AMX); this one loads float32")
     assert not list(store.calibration_dir().glob(f"{key}-*"))  # nothing measured here
     planned = Stack.parse("auto").stages[0].plan_for(smollm2.model, Budget.parse(0.0625), 2048)
     assert planned.total_bytes <= 0.0625 * planned.full_bytes and planned.chosen

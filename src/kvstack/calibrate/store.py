@@ -126,11 +126,15 @@ def ship_tables(model: Any, folder: Path | None = None) -> list[Path]:
         if owner != key:
             continue
         path = (folder or SHIPPED) / f"{key}-{kind}.safetensors"
-        path.parent.mkdir(parents=True, exist_ok=True)
         tensor = table.detach().float().contiguous()
         meta = {"format": FORMAT, "model_key": key, "kind": kind, "sha256": _digest(tensor)}
-        save_file({"table": tensor}, str(path.with_suffix(".partial")), metadata=meta)
-        path.with_suffix(".partial").replace(path)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.partial")
+            save_file({"table": tensor}, str(tmp), metadata=meta)
+            tmp.replace(path)
+        except OSError as e:
+            raise UserError(f"cannot write {path} ({e.strerror}): ship from a checkout you can write to") from None
         out.append(path)
     return out
 
