@@ -10,10 +10,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstack.cache import kernels
+from kvstack.cache import attention, kernels
 from kvstack.cache.cache import KVCache
 from kvstack.cache.encoded import Uniform, Where
-from kvstack.cache.packed import Packed, packed
+from kvstack.cache.packed import Packed, attend_head, packed
 from kvstack.cache.packing import pack, packed_size
 from kvstack.generate import Runner
 from tiny import tiny_gemma3, tiny_llama
@@ -97,6 +97,56 @@ def test_the_kernel_reads_what_the_codes_stand_for(b, h, n, d, bits, axis, group
 
 
 @needs_kernel
+@settings(max_examples=60, deadline=None)
+@given(
+    b=st.integers(1, 2),
+    n=st.integers(1, 70),
+    m=st.integers(0, 12),
+    d=st.sampled_from([64, 128]),
+    key_bits=st.sampled_from([2, 4, 8]),
+    value_bits=st.sampled_from([2, 4, 8]),
+    key_axis=st.sampled_from(["token", "channel"]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+    queries=st.integers(1, 6),
+    thin=st.booleans(),
+    seed=st.integers(0, 10_000),
+)
+def test_one_call_attends_a_heads_codes_and_newest_tokens(
+    b, n, m, d, key_bits, value_bits, key_axis, dtype, queries, thin, seed
+):
+    """`attend_head` (packed_attend: logits, softmax and mix in one call) equals softmax attention
+    over the tokens the codes stand for followed by the plain ones, read where they lie (a head's
+    slice of a layer's stacked tensor: strided rows)."""
+    keep = max(1, n // 2) if thin and n > 1 else 0
+    (kenc,) = encoded_heads(b, 1, n, d, key_bits, key_axis, 32, keep, seed)
+    (venc,) = encoded_heads(b, 1, n, d, value_bits, "token", 32, keep, seed + 7)
+    keys, values = packed([kenc], one_head=True), packed([venc], one_head=True)
+    assert keys is not None and values is not None
+    g = torch.Generator().manual_seed(seed + 1)
+    stacked = (torch.randn(b, 3, m, d, generator=g) * 2).to(dtype)  # plain keys of 3 heads, this head's in the middle
+    plain_keys, plain_values = stacked[:, 1], (torch.randn(b, m, d, generator=g)).to(dtype)
+    query = torch.randn(b, 3, queries, d, generator=g)  # 3 query heads share the KV head
+    scale = d**-0.5
+    out = attend_head(query, [keys, plain_keys], [values, plain_values], scale)
+    assert out is not None and out.shape == (b, 3, queries, d)
+    k = torch.cat([keys.decode(), plain_keys.float()], dim=1)  # (b, n + m, d)
+    v = torch.cat([values.decode(), plain_values.float()], dim=1)
+    probs = torch.softmax((query @ k.unsqueeze(1).transpose(-1, -2)) * scale, dim=-1)
+    torch.testing.assert_close(out, probs @ v.unsqueeze(1), rtol=1e-4, atol=1e-4 * float(v.abs().amax()))
+
+
+def test_one_call_declines_what_it_does_not_read():
+    """Parts other than one coded part then plain tokens go to `few_queries` (None)."""
+    plain = torch.randn(1, 4, 64)
+    assert attend_head(torch.randn(1, 2, 1, 64), [plain], [plain], 0.125) is None
+    if kernels.library("packed") is not None:
+        (enc,) = encoded_heads(1, 1, 8, 64, 4, "channel", 4, 0, 0)
+        part = packed([enc], one_head=True)
+        assert attend_head(torch.randn(1, 2, 1, 64), [part, plain], [plain, plain], 0.125) is None
+        assert attend_head(torch.randn(1, 2, 1, 64), [part, plain.long()], [part, plain.long()], 0.125) is None
+
+
+@needs_kernel
 def test_one_heads_part_is_read_in_place_and_kept_for_the_next_step():
     """The kernel reads a head's own codes, float16 scales and group counts (no copy is made, so
     no byte is held beyond what the cache counts), and the next step reuses the part as it is."""
@@ -115,13 +165,14 @@ def wide(request):
     return tiny_llama(head_dim=64) if request.param == "llama" else tiny_gemma3(head_dim=128)
 
 
-def run(model, spec, budget, kernel, monkeypatch):
-    """Logits of a padded batch of two, prefilled then decoded 16 tokens, with or without the kernel."""
+def run(model, spec, budget, kernel, monkeypatch, padded=True):
+    """Logits of a batch of two (the first padded by 20), prefilled then decoded 16 tokens, with or
+    without the kernel."""
     monkeypatch.setenv("KVSTACK_KERNELS", "1" if kernel else "0")
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(3, 97, (2, 90), generator=g)
     mask = torch.ones_like(ids)
-    mask[0, :20] = 0
+    mask[0, :20] = 0 if padded else 1
     cache = KVCache(model, spec, budget)
     runner = Runner(model, cache)
     out = [runner.forward(ids, mask)]
@@ -146,6 +197,27 @@ def test_the_model_decodes_the_same_with_and_without_the_kernel(wide, spec, budg
     with_kernel, used = run(wide, spec, budget, True, monkeypatch)
     without, unused = run(wide, spec, budget, False, monkeypatch)
     assert used and not unused  # the kernel read some layer's codes, and only when allowed
+    torch.testing.assert_close(with_kernel, without, rtol=1e-4, atol=1e-4)
+
+
+@needs_kernel
+def test_heads_of_their_own_lengths_decode_in_one_call_each(monkeypatch):
+    """No mask while decoding (no padding, no sliding window) and heads of different lengths
+    (adakv): each head attends in one `attend_head` call, and the logits match torch's reading
+    of the same caches."""
+    model = tiny_llama(head_dim=64)
+    calls = []
+
+    def spy(*args):
+        out = attend_head(*args)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(attention, "attend_head", spy)
+    spec = "adakv(keydiff)+adaquant(group=8, residual=8)"
+    with_kernel, _ = run(model, spec, 0.3, True, monkeypatch, padded=False)
+    assert sum(calls) >= 16
+    without, _ = run(model, spec, 0.3, False, monkeypatch, padded=False)
     torch.testing.assert_close(with_kernel, without, rtol=1e-4, atol=1e-4)
 
 

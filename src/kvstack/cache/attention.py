@@ -17,7 +17,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from kvstack.cache.encoded import Turned
-from kvstack.cache.packed import Packed
+from kvstack.cache.packed import Packed, attend_head
 
 if TYPE_CHECKING:
     from kvstack.cache.cache import KVCache
@@ -355,6 +355,10 @@ def _attend(
             if padding is not None or window is not None or q > 1:
                 mask = head_mask(slots_of(h), query_slots, padding, window)
             bias = bias_of(h)
+            fused = attend_head(qh, ks, vs, scale) if mask is None and bias is None else None
+            if fused is not None:  # codes, then the newest plain tokens: one kernel call for the head
+                out[:, h * g : (h + 1) * g] = fused
+                continue
             out[:, h * g : (h + 1) * g] = few_queries(
                 qh,
                 [k.unsqueeze(1) for k in ks],

@@ -8,6 +8,8 @@ from __future__ import annotations
 import ctypes
 import weakref
 from dataclasses import dataclass, replace
+from functools import cached_property
+from typing import Any
 
 import torch
 
@@ -85,15 +87,62 @@ class Packed:
     def _call(self, name: str, x: torch.Tensor, out: torch.Tensor) -> None:
         lib = library("packed")
         assert lib is not None
-        n, w = self.codes.shape[1], self.codes.shape[2]
-        i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        counts = ptr(self.counts.data_ptr()) if self.counts is not None else None
+        rows, n = ctypes.c_int64(self.codes.shape[0]), ctypes.c_int64(self.codes.shape[1])
+        w, bits, *layout = self.arguments
         getattr(lib, name)(
-            i64(self.codes.shape[0]), i64(n), i64(self.dim), i64(w), ctypes.c_int(self.bits),
-            ptr(self.codes.data_ptr()), ptr(self.scale.data_ptr()), ptr(self.zero.data_ptr()),
-            i64(self.scale.shape[1]), i64(self.tg), i64(self.dg), counts,
-            ptr(x.data_ptr()), i64(x.shape[1]), ptr(out.data_ptr()), ctypes.c_int(torch.get_num_threads()),
+            rows, n, ctypes.c_int64(self.dim), w, bits, *layout,
+            _ptr(x), ctypes.c_int64(x.shape[1]), _ptr(out), ctypes.c_int(torch.get_num_threads()),
         )  # fmt: skip
+
+    @cached_property
+    def arguments(self) -> tuple[object, ...]:
+        """The kernel's arguments that describe these codes (width, bits, pointers, groups), made
+        once: a head's part is read again at every decoding step."""
+        i64 = ctypes.c_int64
+        counts = _ptr(self.counts) if self.counts is not None else None
+        return (
+            i64(self.codes.shape[2]), ctypes.c_int(self.bits), _ptr(self.codes), _ptr(self.scale), _ptr(self.zero),
+            i64(self.scale.shape[1]), i64(self.tg), i64(self.dg), counts,
+        )  # fmt: skip
+
+
+PLAIN_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # dtype codes of packed_attend
+
+
+def attend_head(query: torch.Tensor, keys: list[Any], values: list[Any], scale: float) -> torch.Tensor | None:
+    """(b, g, q, d) float32: one KV head's queries (b, g, q, d) attending, with no mask, its coded
+    tokens then its newest ones held plain (keys, values: [one-head `Packed` (b, n, d), tensor
+    (b, m, d)], as `head_parts` hands them), in one kernel call (`packed_attend`: logits,
+    softmax and mix); None where that call does not apply, and `few_queries` reads the parts."""
+    if len(keys) != 2 or len(values) != 2:
+        return None
+    (kc, kp), (vc, vp) = keys, values
+    if not isinstance(kc, Packed) or not isinstance(vc, Packed) or not kc.one_head or not vc.one_head:
+        return None
+    b, g, q, d = query.shape
+    kind = PLAIN_KINDS.get(kp.dtype)
+    if kind is None or vp.dtype != kp.dtype or kp.shape[0] != b or vp.shape[0] != b or kc.b != b or vc.b != b:
+        return None
+    if kc.dim != d or vc.dim != d or kc.codes.shape[1] != vc.codes.shape[1] or kp.shape[1] != vp.shape[1]:
+        return None
+    if kp.stride(-1) != 1 or vp.stride(-1) != 1 or kp.device.type != "cpu" or query.device.type != "cpu":
+        return None
+    lib = library("packed")
+    assert lib is not None  # a Packed part exists only where the kernel does
+    flat = query.reshape(b, g * q, d).float().contiguous()
+    out = torch.empty(b, g * q, d, dtype=torch.float32)
+    i64 = ctypes.c_int64
+    lib.packed_attend(
+        i64(b), i64(g * q), i64(d), i64(kc.codes.shape[1]), *kc.arguments, *vc.arguments,
+        i64(kp.shape[1]), _ptr(kp), i64(kp.stride(0)), i64(kp.stride(1)),
+        _ptr(vp), i64(vp.stride(0)), i64(vp.stride(1)),
+        ctypes.c_int(kind), _ptr(flat), ctypes.c_float(scale), _ptr(out), ctypes.c_int(torch.get_num_threads()),
+    )  # fmt: skip
+    return out.view(b, g, q, d)
+
+
+def _ptr(x: torch.Tensor) -> ctypes.c_void_p:
+    return ctypes.c_void_p(x.data_ptr())
 
 
 def packed(parts: list[Encoded], one_head: bool = False) -> Packed | None:
@@ -102,7 +151,7 @@ def packed(parts: list[Encoded], one_head: bool = False) -> Packed | None:
     they are decoded). One head's part reads its own tensors in place, so it is kept beside the
     part (`Encoded` parts never change once made) and the next decoding step takes it as it is."""
     kept = _KEPT.get(parts[0]) if len(parts) == 1 else None
-    if kept is not None and library("packed") is not None:
+    if kept is not None:  # made where the kernel is: read by it while the part lives
         return kept if kept.one_head == one_head else replace(kept, one_head=one_head)
     part = _packed(parts, one_head)
     if part is not None and len(parts) == 1 and _in_place(part, parts[0]):

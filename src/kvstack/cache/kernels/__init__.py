@@ -60,7 +60,7 @@ def _build(compiler: str, source: Path, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
-        run = subprocess.run([compiler, *FLAGS, str(source), "-o", str(built)], capture_output=True, text=True)
+        run = subprocess.run([compiler, *FLAGS, str(source), "-o", str(built), "-lm"], capture_output=True, text=True)
         if run.returncode:
             raise OSError(run.stderr or f"exit status {run.returncode}")
         os.replace(built, target)  # atomic: processes building at once each install a whole file

@@ -19,6 +19,7 @@
  * unpacking is a shift and a mask per plane. Callers guarantee w % 16 == 0 and, when dg > 1,
  * dg % per == 0 (a channel group covers whole bytes). Tokens are split between `threads` OpenMP
  * threads, each a run of consecutive tokens. Written with GCC vector extensions: any target. */
+#include <math.h>
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -105,7 +106,7 @@ INLINE void spread(const half *s, const vf *mask, int64_t width, int64_t chunks,
 
 INLINE void logits(int64_t B, int64_t n, int64_t d, int64_t w, int bits, int64_t chunks, const uint8_t *codes, const half *scale,
                    const half *zero, int64_t srows, int64_t tg, int64_t dg, const int16_t *counts, const float *q,
-                   int64_t G, float *out, int threads) {
+                   int64_t G, float *out, int64_t ld, int threads) {
     const int per = 8 / bits;
     const int64_t nv = per * chunks, width = d / dg;
     {
@@ -133,7 +134,7 @@ INLINE void logits(int64_t B, int64_t n, int64_t d, int64_t w, int bits, int64_t
                 r = row_at(cb, tg, srows, t, r, &first);
                 const half *s = scale + (b * srows + r) * width, *z = zero + (b * srows + r) * width;
                 unpack(codes + (b * n + t) * w, chunks, bits, x);
-                float *o = out + b * G * n + t;
+                float *o = out + b * G * ld + t;
                 if (dg == 1) {
                     if (r != held) { /* per-channel scales: folded into the queries once per row */
                         plane(s, chunks, per, srow);
@@ -148,7 +149,7 @@ INLINE void logits(int64_t B, int64_t n, int64_t d, int64_t w, int bits, int64_t
                     for (int64_t g = 0; g < G; g++) {
                         vf acc = {0};
                         for (int64_t v = 0; v < nv; v++) acc += qs[g * nv + v] * x[v];
-                        o[g * n] = hsum(acc) + bias[g];
+                        o[g * ld] = hsum(acc) + bias[g];
                     }
                 } else { /* per-token scales: each lane's scale spread from its channel group */
                     spread(s, mask, width, chunks, sv);
@@ -158,7 +159,7 @@ INLINE void logits(int64_t B, int64_t n, int64_t d, int64_t w, int bits, int64_t
                         for (int64_t v = 0; v < nv; v++) acc += qp[g * nv + v] * x[v];
                         float zsum = 0.0f;
                         for (int64_t kk = 0; kk < width; kk++) zsum += (float)z[kk] * zq[g * width + kk];
-                        o[g * n] = hsum(acc) + zsum;
+                        o[g * ld] = hsum(acc) + zsum;
                     }
                 }
             }
@@ -169,7 +170,7 @@ INLINE void logits(int64_t B, int64_t n, int64_t d, int64_t w, int bits, int64_t
 
 INLINE void mix(int64_t B, int64_t n, int64_t d, int64_t w, int bits, int64_t chunks, const uint8_t *codes, const half *scale,
                 const half *zero, int64_t srows, int64_t tg, int64_t dg, const int16_t *counts, const float *p,
-                int64_t G, float *out, int threads) {
+                int64_t ld, int64_t G, float *out, int threads) {
     const int per = 8 / bits;
     const int64_t nv = per * chunks, width = d / dg;
     {
@@ -184,7 +185,7 @@ INLINE void mix(int64_t B, int64_t n, int64_t d, int64_t w, int bits, int64_t ch
         for (int64_t b = 0; b < B; b++) {
             memset(acc, 0, sizeof(vf) * G * nv);
             memset(zacc, 0, sizeof(float) * G * width);
-            const float *pb = p + b * G * n;
+            const float *pb = p + b * G * ld;
             int64_t held = -1;
             const int16_t *cb = counts ? counts + b * srows : NULL;
             int64_t first = 0, r = 0;
@@ -204,7 +205,7 @@ INLINE void mix(int64_t B, int64_t n, int64_t d, int64_t w, int bits, int64_t ch
                     for (int64_t v = 0; v < nv; v++) x[v] *= sv[v % chunks];
                 }
                 for (int64_t g = 0; g < G; g++) {
-                    const float pg = pb[g * n + t];
+                    const float pg = pb[g * ld + t];
                     for (int64_t v = 0; v < nv; v++) acc[g * nv + v] += pg * x[v];
                     for (int64_t kk = 0; kk < width && dg > 1; kk++) zacc[g * width + kk] += pg * (float)z[kk];
                 }
@@ -231,23 +232,162 @@ INLINE void mix(int64_t B, int64_t n, int64_t d, int64_t w, int bits, int64_t ch
     case 4: fn(B, n, d, w, bits, 4, __VA_ARGS__); break;                                                               \
     default: fn(B, n, d, w, bits, w / L, __VA_ARGS__); break;                                                          \
     }
-#define WIDTHS(fn, ...)                                                                                                \
-    _Pragma("omp parallel num_threads(threads)") switch (bits) {                                                       \
+#define BITS(fn, b_, ...)                                                                                              \
+    switch (b_) {                                                                                                      \
     case 1: CHUNKS(fn, 1, __VA_ARGS__) break;                                                                          \
     case 2: CHUNKS(fn, 2, __VA_ARGS__) break;                                                                          \
     case 4: CHUNKS(fn, 4, __VA_ARGS__) break;                                                                          \
     case 8: CHUNKS(fn, 8, __VA_ARGS__) break;                                                                          \
     }
+#define WIDTHS(fn, ...) _Pragma("omp parallel num_threads(threads)") BITS(fn, bits, __VA_ARGS__)
+
+static void logits_at(int64_t B, int64_t n, int64_t d, int64_t w, int bits, const uint8_t *codes, const half *scale,
+                      const half *zero, int64_t srows, int64_t tg, int64_t dg, const int16_t *counts, const float *q,
+                      int64_t G, float *out, int64_t ld, int threads) {
+    WIDTHS(logits, codes, scale, zero, srows, tg, dg, counts, q, G, out, ld, threads)
+}
+
+/* adds to out */
+static void mix_at(int64_t B, int64_t n, int64_t d, int64_t w, int bits, const uint8_t *codes, const half *scale,
+                   const half *zero, int64_t srows, int64_t tg, int64_t dg, const int16_t *counts, const float *p,
+                   int64_t ld, int64_t G, float *out, int threads) {
+    WIDTHS(mix, codes, scale, zero, srows, tg, dg, counts, p, ld, G, out, threads)
+}
 
 void packed_logits(int64_t B, int64_t n, int64_t d, int64_t w, int bits, const uint8_t *codes, const half *scale,
                    const half *zero, int64_t srows, int64_t tg, int64_t dg, const int16_t *counts, const float *q,
                    int64_t G, float *out, int threads) {
-    WIDTHS(logits, codes, scale, zero, srows, tg, dg, counts, q, G, out, threads)
+    logits_at(B, n, d, w, bits, codes, scale, zero, srows, tg, dg, counts, q, G, out, n, threads);
 }
 
 void packed_mix(int64_t B, int64_t n, int64_t d, int64_t w, int bits, const uint8_t *codes, const half *scale,
                 const half *zero, int64_t srows, int64_t tg, int64_t dg, const int16_t *counts, const float *p,
                 int64_t G, float *out, int threads) {
     memset(out, 0, sizeof(float) * B * G * d);
-    WIDTHS(mix, codes, scale, zero, srows, tg, dg, counts, p, G, out, threads)
+    mix_at(B, n, d, w, bits, codes, scale, zero, srows, tg, dg, counts, p, n, G, out, threads);
+}
+
+/* Element i of a plain tensor of dtype `kind`: 0 float32, 1 bfloat16 (the high half of a float32), 2 float16. */
+INLINE float element(const void *x, int kind, int64_t i) {
+    if (kind == 1) {
+        uint32_t u = (uint32_t)((const uint16_t *)x)[i] << 16;
+        float f;
+        memcpy(&f, &u, sizeof f);
+        return f;
+    }
+    return kind == 2 ? (float)((const half *)x)[i] : ((const float *)x)[i];
+}
+
+/* e^x in 16 lanes for x <= 0 (the logits less their maximum): x = k ln2 + r with |r| <= ln2 / 2,
+ * e^r by Cephes' degree-6 polynomial, 2^k written into the exponent bits (relative error ~1e-7). */
+INLINE vf vexp(vf x) {
+    const vf least = (vf){0} - 87.0f;
+    vi low = x < least;
+    x = (vf)((low & (vi)least) | (~low & (vi)x));
+    vi k = __builtin_convertvector(x * 1.44269504f - 0.5f, vi); /* rounds to nearest for x <= 0 */
+    vf kf = __builtin_convertvector(k, vf);
+    vf r = x - kf * 0.693359375f + kf * 2.12194440e-4f;
+    vf y = (vf){0} + 1.9875691500e-4f;
+    y = y * r + 1.3981999507e-3f;
+    y = y * r + 8.3334519073e-3f;
+    y = y * r + 4.1665795894e-2f;
+    y = y * r + 1.6666665459e-1f;
+    y = y * r + 5.0000001201e-1f;
+    y = y * r * r + r + 1.0f;
+    return y * (vf)((k + 127) << 23);
+}
+
+/* p[i] = e^(p[i] - top) for i < len; returns their sum */
+INLINE float exp_sum(float *p, int64_t len, float top) {
+    vf acc = {0};
+    int64_t i = 0;
+    for (; i + L <= len; i += L) {
+        vf x;
+        memcpy(&x, p + i, sizeof x);
+        x = vexp(x - top);
+        memcpy(p + i, &x, sizeof x);
+        acc += x;
+    }
+    float sum = hsum(acc);
+    for (; i < len; i++) sum += (p[i] = expf(p[i] - top));
+    return sum;
+}
+
+/* One KV head's whole attention for a few queries, with no mask: its n coded tokens (keys and
+ * values packed as above, one Packed part each) then its m newest tokens held plain (keys pk at
+ * row stride ksb and token stride kst elements, values pv at vsb, vst; dtype `kind`).
+ * q (B, G, d) float32 unscaled; out (B, G, d) float32 = softmax(scale q . k) v over the n + m
+ * tokens. What few_queries computes from two packed calls, two products and a softmax, in one
+ * call and one parallel region: each thread takes the logits, the exponentials and the mix of
+ * its own run of tokens (the first also the plain ones), the threads meet twice for each row's
+ * maximum and sum. A decoding step makes one such call per head. */
+void packed_attend(int64_t B, int64_t G, int64_t d, int64_t n, int64_t kw, int kbits, const uint8_t *kcodes,
+                   const half *kscale, const half *kzero, int64_t ksrows, int64_t ktg, int64_t kdg, const int16_t *kcounts,
+                   int64_t vw, int vbits, const uint8_t *vcodes, const half *vscale, const half *vzero, int64_t vsrows,
+                   int64_t vtg, int64_t vdg, const int16_t *vcounts, int64_t m, const void *pk, int64_t ksb, int64_t kst,
+                   const void *pv, int64_t vsb, int64_t vst, int kind, const float *q, float scale, float *out, int threads) {
+    const int64_t t = n + m, R = B * G;
+    float *qs = malloc(sizeof(float) * R * d), *p = malloc(sizeof(float) * R * t);
+    float *plain = malloc(sizeof(float) * (B * 2 * m * d + 1)); /* row b: m keys, then m values, as float32 */
+    float *top = malloc(sizeof(float) * threads * R), *sums = malloc(sizeof(float) * threads * R);
+    for (int64_t i = 0; i < R * d; i++) qs[i] = q[i] * scale;
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t j = 0; j < m; j++)
+            for (int64_t c = 0; c < d; c++) {
+                plain[(b * 2 * m + j) * d + c] = element(pk, kind, b * ksb + j * kst + c);
+                plain[(b * 2 * m + m + j) * d + c] = element(pv, kind, b * vsb + j * vst + c);
+            }
+    memset(out, 0, sizeof(float) * R * d);
+#pragma omp parallel num_threads(threads)
+    {
+        const int id = omp_get_thread_num(), count = omp_get_num_threads();
+        int64_t t0, t1;
+        share(n, &t0, &t1);
+        {
+            const int64_t w = kw;
+            BITS(logits, kbits, kcodes, kscale, kzero, ksrows, ktg, kdg, kcounts, qs, G, p, t, threads)
+        }
+        for (int64_t r = 0; r < R; r++) {
+            float *pr = p + r * t;
+            if (id == 0) /* the plain tokens' logits */
+                for (int64_t j = 0; j < m; j++) {
+                    const float *key = plain + ((r / G) * 2 * m + j) * d, *qr = qs + r * d;
+                    float sum = 0.0f;
+                    for (int64_t c = 0; c < d; c++) sum += qr[c] * key[c];
+                    pr[n + j] = sum;
+                }
+            float most = -INFINITY;
+            for (int64_t i = t0; i < t1; i++) most = pr[i] > most ? pr[i] : most;
+            for (int64_t i = n; i < t && id == 0; i++) most = pr[i] > most ? pr[i] : most;
+            top[id * R + r] = most;
+        }
+#pragma omp barrier
+        for (int64_t r = 0; r < R; r++) {
+            float most = -INFINITY;
+            for (int k = 0; k < count; k++) most = top[k * R + r] > most ? top[k * R + r] : most;
+            float *pr = p + r * t;
+            sums[id * R + r] = exp_sum(pr + t0, t1 - t0, most) + (id == 0 ? exp_sum(pr + n, m, most) : 0.0f);
+        }
+#pragma omp barrier
+        for (int64_t r = 0; r < R; r++) {
+            float total = 0.0f;
+            for (int k = 0; k < count; k++) total += sums[k * R + r];
+            float *pr = p + r * t;
+            for (int64_t i = t0; i < t1; i++) pr[i] /= total;
+            for (int64_t i = n; i < t && id == 0; i++) pr[i] /= total;
+        }
+        {
+            const int64_t w = vw;
+            BITS(mix, vbits, vcodes, vscale, vzero, vsrows, vtg, vdg, vcounts, p, t, G, out, threads)
+        }
+        if (id == 0 && m > 0) {
+            for (int64_t r = 0; r < R; r++) {
+                const float *values = plain + ((r / G) * 2 * m + m) * d, *pr = p + r * t + n;
+#pragma omp critical
+                for (int64_t j = 0; j < m; j++)
+                    for (int64_t c = 0; c < d; c++) out[r * d + c] += pr[j] * values[j * d + c];
+            }
+        }
+    }
+    free(qs), free(p), free(plain), free(top), free(sums);
 }
