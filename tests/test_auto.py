@@ -30,6 +30,7 @@ from kvstack.planning.validate import (
     validation_rows,
 )
 from kvstack.stack import Stack
+from tiny import tiny_gemma3
 
 TINY_AUTO = "auto(tokens=256, samples=1, validate=1)"
 
@@ -195,6 +196,45 @@ def test_the_budget_holds_at_every_decoding_step(tiny):
     for _ in range(64):
         runner.forward(torch.randint(0, 97, (1, 1)), torch.ones(1, 1, dtype=torch.long))
         assert cache.nbytes() <= 0.125 * cache.full_nbytes()
+
+
+@pytest.mark.parametrize("budget", [0.0625, 0.125, 0.5])
+def test_a_plans_tokens_per_head_only_grow_with_the_length(llama, budget):
+    """What lets a cache under `auto` skip its checks while decoding (`shares_only_grow`): at a
+    fraction, with every layer holding the whole context, each head's tokens under the plan never
+    fall as the context grows."""
+    cache, _ = _prefill(llama, TINY_AUTO, budget, n=1200)
+    plan, layers = cache.plan, cache.layers
+    per_token = len(layers) * layers[0].n_kv_heads * layers[0].token_bytes(explicit_slots=False)
+    lengths = range(60, 2000)
+    tokens = [torch.tensor(plan.at(torch.full((len(layers),), n), budget * n * per_token).tokens) for n in lengths]
+    for before, after in zip(tokens, tokens[1:], strict=False):
+        assert bool((after >= before).all())
+
+
+def test_a_plan_over_sliding_layers_is_checked_at_every_step():
+    """A sliding layer's room stops at its window while the budget grows with the context, so
+    its share under the plan may fall (a tiny Gemma 3 at 0.125: 15 tokens, then 8 at 1,250)."""
+    cache, _ = _prefill(tiny_gemma3(), TINY_AUTO, 0.125)
+    assert not cache.policy.shares_only_grow
+
+
+def test_skipping_the_checks_under_a_plan_changes_no_decision(llama):
+    runs = []
+    for look in (False, True):
+        cache, runner = _prefill(llama, TINY_AUTO, 0.125)
+        if look:
+            cache.policy.__dict__["shares_only_grow"] = False  # look at every layer's counts at every step
+        g, steps = torch.Generator().manual_seed(2), []
+        for _ in range(48):
+            logits = runner.forward(torch.randint(0, 97, (1, 1), generator=g), torch.ones(1, 1, dtype=torch.long))
+            steps.append((logits, cache.nbytes(), [layer.dense_slots() for layer in cache.layers]))
+        runs.append((cache, steps))
+    (fast, fast_steps), (slow, slow_steps) = runs
+    assert fast.policy.shares_only_grow and fast.compressions == slow.compressions
+    for (a, bytes_a, slots_a), (b, bytes_b, slots_b) in zip(fast_steps, slow_steps, strict=True):
+        assert torch.equal(a, b) and bytes_a == bytes_b
+        assert all(torch.equal(x, y) for x, y in zip(slots_a, slots_b, strict=True))
 
 
 def test_heads_are_stored_as_the_plan_says(llama, tmp_path):

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from kvstack.cache.budget import Budget, Cost
+from kvstack.cache.encoded import Codec
 from kvstack.cache.layer import CompressedLayer
 from kvstack.errors import UserError
 from kvstack.methods.base import Method, Observation
@@ -344,6 +345,7 @@ class Planner:
         self._shares: tuple[int, torch.Tensor] | None = None  # (seen, (b, L, h) byte shares) memo
         self._keep: torch.Tensor | None = None  # (b, L, h) tokens each head keeps, memoised with _shares
         self._costs: Cost | None = None  # (L, h) each head's token costs under the plan
+        self._codecs: dict[int, list[tuple[Storage, tuple[Codec, Codec] | None]]] = {}  # layer -> each head's
 
     def forget(self) -> None:
         """Drop this step's memo (the batch's rows were reordered)."""
@@ -394,11 +396,16 @@ class Planner:
     def encode(self, policy: Any, layer: CompressedLayer) -> None:
         """The policy's `encode` under the plan: each head by its own storage and residual window."""
         assert self.plan is not None
+        heads = self._codecs.get(layer.layer_idx)
+        if heads is None:  # the plan's storages are fixed once decided: each head's codecs, made once
+            storages = [self.plan.storage(layer.layer_idx, h) for h in range(layer.n_kv_heads)]
+            heads = [(st, codecs(st, layer.keys[h].shape[-1])) for h, st in enumerate(storages)]
+            self._codecs[layer.layer_idx] = heads
+        counts = [coded_count(layer.keys[h].shape[1], st) if pair else 0 for h, (st, pair) in enumerate(heads)]
+        if max(counts) <= 0:  # most decoding steps: no head has a whole group to encode
+            return
         started = policy.clock.start(layer.keys[0].device)
-        for h in range(layer.n_kv_heads):
-            storage = self.plan.storage(layer.layer_idx, h)
-            pair = codecs(storage, layer.keys[h].shape[-1])
-            count = coded_count(layer.keys[h].shape[1], storage)
+        for h, ((_, pair), count) in enumerate(zip(heads, counts, strict=True)):
             if pair is not None and count > 0:
                 layer.encode_oldest(h, count, Quantizer(), pair, None)
         policy.clock.stop(started)

@@ -163,7 +163,9 @@ class Policy:
             self.compress_layer(layer, keep, decoding)
             counts = layer.counts(exclude_demoted=self.stack.demotes) if self.shares_only_grow else counts
         if self.shares_only_grow:  # each step adds at most one token per head: skip the checks until then
-            layer.next_check = layer.seen + int((keep - counts).min())
+            slack = int((keep - counts).min())
+            slack -= self.shares.planner is not None  # a plan's bisection may round a share down by a token
+            layer.next_check = layer.seen + slack
         self.encode(layer)
 
     def resident(self, layer: CompressedLayer, keep: torch.Tensor) -> torch.Tensor:
@@ -211,14 +213,16 @@ class Policy:
     @cached_property
     def shares_only_grow(self) -> bool:
         """True when no head's share of the budget ever shrinks as tokens arrive: a fraction or a
-        token count split uniformly, by a method that takes the budget's keep as it is. Then a head
-        `s` tokens under its share cannot exceed it in the next `s` slots, and `_maintain` need not
-        look (each look builds the layer's dense view)."""
+        token count split uniformly, or by `auto`'s plan over layers that all hold the whole
+        context (its shares are rescaled by one factor, which only grows as the floors of its least
+        tokens fall; a sliding layer's room stops growing and its share may fall), by a method that
+        takes the budget's keep as it is. Then a head `s` tokens under its share cannot exceed it
+        in the next `s` slots, and `_maintain` need not look (each look builds the layer's dense view)."""
         evictor = self.stack.evictor
         return (
             evictor is not None
             and self.budget.nbytes is None
-            and self.shares.planner is None
+            and (self.shares.planner is None or not any(layer.sliding_window for layer in self.cache.layers))
             and not self.stack.allocators
             and not self.stack.demotes
             and not self.stack.compensates
@@ -284,6 +288,9 @@ class Policy:
         if decoding:  # evict a block ahead so the next steps fit (the budget holds at each of them)
             block = decode_block(self.stack.every, keep)
             keep = torch.maximum(keep - (block - 1), torch.clamp(counts, max=self.stack.min_tokens))
+            # a sequence's heads that would pass their share within the block evict with it, so the
+            # layer's heads stay in step: one compression per block, not one per head
+            over = over | (counts > keep) & over.any(-1, keepdim=True)
         folding = self.stack.compensates
         if folding:  # the compensation token is kept, and one place is left for a new one
             token = compensation_mask(layer, obs.slots)
