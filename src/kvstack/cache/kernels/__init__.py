@@ -19,6 +19,7 @@ from pathlib import Path
 from kvstack.paths import cache_dir
 
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+LIBS = ("-lm",)  # after the source: the softmax tail calls expf
 log = logging.getLogger(__name__)
 
 
@@ -44,7 +45,7 @@ def _load(name: str) -> ctypes.CDLL | None:
     if compiler is None:
         log.warning("kvstack: no C compiler found; quantized caches decode through torch (slower)")
         return None
-    key = hashlib.sha256(source.read_bytes() + " ".join(FLAGS).encode() + _machine().encode()).hexdigest()[:16]
+    key = hashlib.sha256(source.read_bytes() + " ".join(FLAGS + LIBS).encode() + _machine().encode()).hexdigest()[:16]
     target = cache_dir() / "kernels" / f"{name}-{key}.so"
     try:  # a cache folder that cannot be written, a failed build, a library that does not load: torch
         if not target.exists():
@@ -60,7 +61,7 @@ def _build(compiler: str, source: Path, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
-        run = subprocess.run([compiler, *FLAGS, str(source), "-o", str(built), "-lm"], capture_output=True, text=True)
+        run = subprocess.run([compiler, *FLAGS, str(source), "-o", str(built), *LIBS], capture_output=True, text=True)
         if run.returncode:
             raise OSError(run.stderr or f"exit status {run.returncode}")
         os.replace(built, target)  # atomic: processes building at once each install a whole file
