@@ -42,7 +42,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ),
     ("stack", ("kvstack.stack",)),
     ("policy", ("kvstack.policy",)),
-    ("cache", ("kvstack.cache.cache",)),
+    ("cache", ("kvstack.cache.cache", "kvstack.cache.slab_cache")),
     (
         "loops",
         (

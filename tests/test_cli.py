@@ -50,6 +50,8 @@ def context(tmp_path):
         (["--model", "smolm2"], "did you mean smollm2-135m"),
         (["--model", "/nowhere/model.gguf"], "no GGUF file"),
         (["--max-new-tokens", "0"], "at least 1"),
+        (["--decode-on", "gpu"], "use one of cache, slab, compiled"),
+        (["--method", "kivi(bits=2)", "--budget", "1.0", "--decode-on", "compiled"], "codes its tokens"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(context, args, message):

@@ -35,15 +35,17 @@ def answer(
     answer_prefix: str = "",
     warm: bool = True,
     prefill_chunk: int | None = None,
+    decode_on: str = "cache",
 ) -> Result:
     """Answer each question about its context, compressing the KV cache with `method` under `budget`
-    (with `prefill_chunk`, the context goes in chunks of that many tokens, compressed between them)."""
+    (with `prefill_chunk`, the context goes in chunks of that many tokens, compressed between them;
+    `decode_on="compiled"` decodes an eviction stack on fixed-shape storage under torch.compile)."""
     if warm:
         warm_up(lm.model)
     prompts = [build_prompt(lm, c, q, answer_prefix) for c, q in zip(contexts, questions, strict=True)]
     pad = lm.tokenizer.pad_token_id if lm.tokenizer.pad_token_id is not None else 0
     ids, m = generate_ids(
-        lm.model, prompts, method, budget, query_agnostic, max_new_tokens, eos_ids(lm), pad, prefill_chunk
+        lm.model, prompts, method, budget, query_agnostic, max_new_tokens, eos_ids(lm), pad, prefill_chunk, decode_on
     )
     answers = [lm.tokenizer.decode(x, skip_special_tokens=True).strip() for x in ids]
     return Result(

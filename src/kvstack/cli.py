@@ -113,10 +113,20 @@ def generate(
             "SnapKV-like scorers score each chunk by the question)"
         ),
     ] = None,
+    decode_on: Annotated[
+        str,
+        typer.Option(
+            help="cache (the KVCache), slab (fixed-shape storage sized by the budget) or compiled "
+            "(a slab under torch.compile; eviction stacks only; the first step compiles)"
+        ),
+    ] = "cache",
 ) -> None:
     """Answer a question about a context with a compressed KV cache; report bytes and speed."""
     try:
         stack, parsed_budget = parse_method(method, budget, prefill_chunk)  # fail before loading anything
+        from kvstack.generate import check_decode_on
+
+        check_decode_on(decode_on, stack)
         if max_new_tokens < 1:
             raise UserError("--max-new-tokens must be at least 1")
         context = _read_context(context_file)
@@ -136,6 +146,7 @@ def generate(
                 max_new_tokens,
                 answer_prefix,
                 prefill_chunk=prefill_chunk,
+                decode_on=decode_on,
             )
     except UserError as e:
         _fail(str(e))

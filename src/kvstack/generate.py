@@ -16,6 +16,7 @@ import torch
 
 from kvstack.cache.budget import Budget
 from kvstack.cache.cache import KVCache
+from kvstack.cache.slab_cache import SlabCache, check_slab
 from kvstack.cache.statistics import PROMPT_PASSES
 from kvstack.errors import UserError
 from kvstack.methods.base import Stage
@@ -57,6 +58,7 @@ class Result:
     offloaded_bytes: int = 0  # a retriever's slow tier on disk at the end, outside kv_bytes
     fetched_bytes_per_step: float = 0.0  # read back from the slow tier per decoding step
     fetch_s_per_step: float = 0.0  # ranking and reading those pages, per decoding step
+    decode_on: str = "cache"  # the KVCache, or a slab (`SlabRunner`), eager or compiled
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -180,6 +182,37 @@ class Runner:
         return self.last_logits if at is None else out.logits[:, :-1].float()  # the last is there for last_logits
 
 
+class SlabRunner:
+    """Decodes one token per sequence per step on a `SlabCache` filled from a runner's prefilled
+    cache, the model's forward compiled when asked: the slab's shapes never change, so
+    `torch.compile(fullgraph=True)` traces one step and replays it (a new trace only if a slab
+    grows, `SlabCache.grown`). Between steps the cache's policy evicts as it would on the KVCache."""
+
+    def __init__(self, runner: Runner, new_tokens: int, compile: bool = False, backend: str = "inductor") -> None:
+        assert runner.mask is not None, "prefill the runner first"
+        self.model = runner.model
+        with torch.inference_mode():  # the step's tensors are inference tensors: a guard sees them alike
+            self.slab = SlabCache(runner.cache, new_tokens)
+            self.position = runner.mask.sum(-1, keepdim=True)  # (b, 1) each sequence's next position
+        self.step = torch.compile(self._step, fullgraph=True, dynamic=False, backend=backend) if compile else self._step
+
+    def _step(self, ids: torch.Tensor, position: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+        out = self.model(
+            input_ids=ids, position_ids=position, past_key_values=self.slab, use_cache=True, cache_position=slot
+        )
+        return out.logits[:, -1].float()
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """Run one token per sequence, ids (b, 1); its logits (b, vocab)."""
+        device = self.model.device
+        slot = torch.tensor([self.slab.seen], device=device)
+        logits = self.step(ids.to(device), self.position, slot)
+        self.position = self.position + 1
+        self.slab.advance(1)
+        return logits
+
+
 def warm_up(model: Any) -> None:
     """One short forward so kernel set-up is not billed to the first timed run."""
     if getattr(model, "_kvstack_warm", False):
@@ -188,6 +221,17 @@ def warm_up(model: Any) -> None:
         ids = torch.zeros((1, 16), dtype=torch.long, device=model.device)
         model(input_ids=ids, past_key_values=KVCache(model), use_cache=True)
     model._kvstack_warm = True
+
+
+DECODE_ON = ("cache", "slab", "compiled")
+
+
+def check_decode_on(decode_on: str, stack: Stack) -> None:
+    """One-line error for an unknown decoding storage, or a slab the stack cannot decode on."""
+    if decode_on not in DECODE_ON:
+        raise UserError(f"decode on {decode_on!r}: use one of {', '.join(DECODE_ON)}")
+    if decode_on != "cache":
+        check_slab(stack)
 
 
 def check_prompts(model: Any, prompts: list[Prompt], max_new_tokens: int, stack: Stack, budget: Budget) -> None:
@@ -235,13 +279,17 @@ def generate_ids(
     eos_ids: set[int] | None = None,
     pad_id: int = 0,
     prefill_chunk: int | None = None,
+    decode_on: str = "cache",
 ) -> tuple[list[list[int]], dict[str, Any]]:
     """Greedy generation for a batch of prompts under a compression stack; ids and measurements.
 
     prefill_chunk: prefill the context in chunks of this many tokens, compressing between them
-    (peak KV bytes about the budget plus one chunk: `peak_kv_bytes`); None prefills at once."""
+    (peak KV bytes about the budget plus one chunk: `peak_kv_bytes`); None prefills at once.
+    decode_on: "cache" (the KVCache), "slab" or "compiled" (fixed-shape storage, `SlabRunner`;
+    compiled, the first step's time includes compiling it)."""
     stack = stack if isinstance(stack, Stack) else Stack.parse(stack)
     budget = Budget.parse(budget)
+    check_decode_on(decode_on, stack)
     check_prompts(model, prompts, max_new_tokens, stack, budget)
     if prefill_chunk is not None and prefill_chunk < 2:
         raise UserError(f"prefill chunk of {prefill_chunk} tokens: give at least 2 (e.g. 512)")
@@ -255,7 +303,7 @@ def generate_ids(
         question = left_pad([p.question for p in prompts], pad_id) if all(p.question for p in prompts) else None
         logits = runner.prefill(*left_pad([p.context + p.question for p in prompts], pad_id), prefill_chunk, question)
     prefill_s = now(model.device) - start - runner.cache.compress_clock.seconds
-    return _finish(runner, logits, prefill_s, max_new_tokens, eos_ids or set(), query_agnostic)
+    return _finish(runner, logits, prefill_s, max_new_tokens, eos_ids or set(), query_agnostic, decode_on)
 
 
 def compress_ids(
@@ -431,11 +479,14 @@ def _finish(
     max_new_tokens: int,
     eos: set[int],
     query_agnostic: bool,
+    decode_on: str = "cache",
 ) -> tuple[list[list[int]], dict[str, Any]]:
-    """Measure the compressed prompt, decode greedily, and report ids and measurements."""
+    """Measure the compressed prompt, decode greedily (on the cache, or on a slab filled from it),
+    and report ids and measurements."""
     cache = runner.cache
     assert logits is not None
     kv_bytes, kv_full = cache.nbytes(), cache.full_nbytes()
+    slab = SlabRunner(runner, max_new_tokens, compile=decode_on == "compiled") if decode_on != "cache" else None
     b = logits.shape[0]
     out: list[list[int]] = [[] for _ in range(b)]
     done = torch.zeros(b, dtype=torch.bool)
@@ -449,14 +500,19 @@ def _finish(
                 done[i] = int(nxt[i]) in eos
         if bool(done.all()) or step == max_new_tokens - 1:
             break
-        logits = runner.forward(nxt.unsqueeze(1), torch.ones((b, 1), dtype=torch.long))
+        if slab is not None:
+            logits = slab.forward(nxt.unsqueeze(1))
+        else:
+            logits = runner.forward(nxt.unsqueeze(1), torch.ones((b, 1), dtype=torch.long))
         steps += 1
     decode_s = now(logits.device) - start
+    if slab is not None:  # the cache's layers view what the slab holds, for `stats`
+        slab.slab.sync()
     measures = {
         "kv_bytes": kv_bytes,
         "kv_bytes_full": kv_full,
         "kv_ratio": kv_bytes / kv_full if kv_full else 1.0,
-        "kv_bytes_end": cache.nbytes(),
+        "kv_bytes_end": slab.slab.nbytes() if slab is not None else cache.nbytes(),
         "peak_kv_bytes": max(cache.peak_nbytes, kv_bytes),
         "kv_bytes_full_end": cache.full_nbytes(),
         "prefill_s": prefill_s,
@@ -470,6 +526,7 @@ def _finish(
         "method": str(cache.stack),
         "budget": str(cache.budget),
         "mode": "agnostic" if query_agnostic else "aware",
+        "decode_on": decode_on,
     }
     for eos_id in eos:  # drop the end-of-sequence token itself
         out = [o[:-1] if o and o[-1] == eos_id else o for o in out]

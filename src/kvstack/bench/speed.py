@@ -25,6 +25,7 @@ from kvstack.timing import now
 HF_DYNAMIC = "sdpa+DynamicCache"  # transformers' defaults: what a user runs without kvstack
 HF_STATIC = "sdpa+StaticCache"
 BASELINES = (HF_DYNAMIC, HF_STATIC)
+SLAB_MODES = ("slab", "compiled")
 
 
 @dataclass(frozen=True)
@@ -34,22 +35,29 @@ class Engine:
     label: str
     stack: str | None = None
     budget: str = "1.0"
+    mode: str = "cache"  # kvstack's KVCache, or decoding on a slab (`SlabCache`), eager or compiled
 
     @classmethod
     def parse(cls, text: str) -> Engine:
         """`sdpa+DynamicCache`, `sdpa+StaticCache`, `full`, or `STACK@BUDGET` (`keydiff@0.125`;
-        no `@` means budget 1.0). The stack and budget are checked here, before any model loads."""
+        no `@` means budget 1.0), with `:slab` or `:compiled` to decode on fixed-shape storage
+        (`keydiff@0.125:compiled`). The stack and budget are checked here, before any model loads."""
+        from kvstack.cache.slab_cache import check_slab
         from kvstack.stack import Stack
 
         text = text.strip()
         if text.lower() in (b.lower() for b in BASELINES):
             return cls(next(b for b in BASELINES if b.lower() == text.lower()))
+        mode = next((m for m in SLAB_MODES if text.endswith(f":{m}")), "cache")
+        text = text.removesuffix(f":{mode}")
         spec, at, budget = text.rpartition("@") if "@" in text else (text, "", "1.0")
         stack = Stack.parse(spec)
         parsed = Budget.parse(budget)
         stack.check_budget(parsed)
+        if mode != "cache":
+            check_slab(stack)
         label = stack.label if parsed.is_full else f"{stack.label}@{budget.strip()}"
-        return cls(label, stack.label, budget.strip())
+        return cls(label if mode == "cache" else f"{label}:{mode}", stack.label, budget.strip(), mode)
 
 
 @dataclass
@@ -117,16 +125,10 @@ def _kvstack_run(model: Any, ids: torch.Tensor, new_tokens: int, engine: Engine,
     """kvstack's cache through its own loop (`generate`): (prefill s incl. compression, decode s,
     bytes after prompt, bytes at end, peak bytes during the prompt, bytes and seconds of slow-tier
     reads per decoded token)."""
-    from kvstack.cache.cache import KVCache
-    from kvstack.generate import Runner
-
-    assert engine.stack is not None
-    cache = KVCache(model, engine.stack, engine.budget)
-    runner = Runner(model, cache)
-    device = model.device
-    start = now(device)
-    logits = runner.prefill(ids, torch.ones_like(ids), chunk)
-    prefill = now(device) - start
+    if engine.mode != "cache":
+        return _slab_run(model, ids, new_tokens, engine, chunk)
+    runner, logits, prefill = _prefilled(model, ids, engine, chunk)
+    cache, device = runner.cache, model.device
     held, peak = cache.nbytes(), cache.peak_nbytes
     one = torch.ones(1, 1, dtype=torch.long)
     fetched, fetch_s = cache.fetched_nbytes, cache.fetch_clock.seconds
@@ -137,6 +139,39 @@ def _kvstack_run(model: Any, ids: torch.Tensor, new_tokens: int, engine: Engine,
     steps = new_tokens - 1
     tier = ((cache.fetched_nbytes - fetched) / steps, (cache.fetch_clock.seconds - fetch_s) / steps)
     return prefill, decode, held, cache.nbytes(), max(peak, held), *tier
+
+
+def _prefilled(model: Any, ids: torch.Tensor, engine: Engine, chunk: int | None) -> tuple[Any, torch.Tensor, float]:
+    """A runner over a new cache for the engine's stack, after the prompt (`Runner`), its last
+    logits (1, vocab) and the prefill's seconds (compression included)."""
+    from kvstack.cache.cache import KVCache
+    from kvstack.generate import Runner
+
+    assert engine.stack is not None
+    runner = Runner(model, KVCache(model, engine.stack, engine.budget))
+    start = now(model.device)
+    logits = runner.prefill(ids, torch.ones_like(ids), chunk)
+    return runner, logits, now(model.device) - start
+
+
+def _slab_run(model: Any, ids: torch.Tensor, new_tokens: int, engine: Engine, chunk: int | None) -> Run:
+    """`_kvstack_run` decoding on a slab (`SlabRunner`), compiled when the engine says so. Bytes
+    are the slab's, allocated from the first step; compiled, the first decoding step (the trace
+    and its compilation) is left out of the time and the others are scaled to `new_tokens - 1`."""
+    from kvstack.generate import SlabRunner
+
+    runner, logits, prefill = _prefilled(model, ids, engine, chunk)
+    device, peak = model.device, runner.cache.peak_nbytes
+    slab = SlabRunner(runner, new_tokens, compile=engine.mode == "compiled")
+    held = slab.slab.nbytes()
+    steps = new_tokens - 1
+    if engine.mode == "compiled":  # its first step traces and compiles: not decoding speed
+        logits, steps = slab.forward(logits.argmax(-1, keepdim=True)), steps - 1
+    start = now(device)
+    for _ in range(steps):
+        logits = slab.forward(logits.argmax(-1, keepdim=True))
+    decode = (now(device) - start) * (new_tokens - 1) / max(steps, 1)
+    return prefill, decode, held, slab.slab.nbytes(), max(peak, held), 0.0, 0.0
 
 
 def measure(
@@ -154,6 +189,8 @@ def measure(
     and left on kvstack's."""
     if new_tokens < 2:
         raise UserError(f"--new-tokens {new_tokens}: decoding speed needs at least 2 new tokens")
+    if new_tokens < 3 and any(e.mode == "compiled" for e in engines):
+        raise UserError(f"--new-tokens {new_tokens}: a compiled row needs at least 3 (its first step compiles)")
     limit = int(getattr(model.config.get_text_config(), "max_position_embeddings", 0) or 0)
     longest = max(lengths)
     if limit and longest + new_tokens > limit:

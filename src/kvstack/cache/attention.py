@@ -18,6 +18,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from kvstack.cache.encoded import Turned
 from kvstack.cache.packed import Packed, attend_head
+from kvstack.cache.slab import SlabView, attend
 
 if TYPE_CHECKING:
     from kvstack.cache.cache import KVCache
@@ -195,13 +196,15 @@ def kvstack_attention(
     sliding_window: int | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """Attention for query (b, h*g, q, d) over a `LayerView` (or plain (b, h, t, d) tensors).
+    """Attention for query (b, h*g, q, d) over a `LayerView`, a `SlabView` (or plain (b, h, t, d) tensors).
 
     Returns (b, q, h*g, d) like transformers' own attention functions.
     """
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if getattr(module, "attn_logit_softcapping", None):
         raise NotImplementedError("kvstack attention does not support attention logit soft-capping yet")
+    if isinstance(key, SlabView):  # fixed-shape storage: its slots mask padding, one call for the layer
+        return attend(query, key, scale), None
     padding = attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None
     if not isinstance(key, LayerView):  # no cache: plain causal attention over the given tensors
         t = key.shape[2]
