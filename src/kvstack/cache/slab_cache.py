@@ -230,8 +230,12 @@ class SlabCache(Cache):
     def _expose(self, layer: CompressedLayer, slab: SlabLayer) -> None:
         """Point `layer` at its slab: per head the views of its used places (b, n_h, d) and slots."""
         n = slab.used
-        layer.keys = PerHead([slab.keys[:, h, : n[h]] for h in range(len(n))])
-        layer.values = PerHead([slab.values[:, h, : n[h]] for h in range(len(n))])
+        if len(set(n)) == 1:  # heads alike: one view of the slab (a PerHead of equal heads would stack a copy)
+            layer.keys = PerHead(stacked=slab.keys[:, :, : n[0]])
+            layer.values = PerHead(stacked=slab.values[:, :, : n[0]])
+        else:
+            layer.keys = PerHead([slab.keys[:, h, : n[h]] for h in range(len(n))])
+            layer.values = PerHead([slab.values[:, h, : n[h]] for h in range(len(n))])
         layer.slots = [slab.slots[:, h, : n[h]] for h in range(len(n))]
 
     def _absorb(self, layer: CompressedLayer, slab: SlabLayer) -> None:
