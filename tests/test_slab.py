@@ -171,6 +171,7 @@ def test_generation_on_a_slab_answers_like_the_cache(decode_on):
     ids, measured = generate_ids(model, prompts, "keydiff", 0.5, max_new_tokens=24)
     slab_ids, slab_measured = generate_ids(model, prompts, "keydiff", 0.5, max_new_tokens=24, decode_on=decode_on)
     assert slab_ids == ids and slab_measured["decode_on"] == decode_on
+    assert (slab_measured["compile_s"] > 0) == (decode_on == "compiled")  # the compiling step, timed apart
     assert slab_measured["kv_bytes"] == measured["kv_bytes"]
     assert [r["tokens"] for r in slab_measured["stats"]] == [r["tokens"] for r in measured["stats"]]
     with pytest.raises(UserError, match="use one of"):

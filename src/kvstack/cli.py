@@ -166,6 +166,8 @@ def generate(
         f"{payload['prefill_s']:.2f}s, compress {payload['compress_s']:.3f}s, decode "
         f"{payload['decode_tokens_per_s']:.1f} tok/s"
     )
+    if payload["compile_s"]:
+        summary += f" (its first step compiled in {payload['compile_s']:.1f}s)"
     if payload["offloaded_bytes"]:
         summary += (
             f"; slow tier {payload['offloaded_bytes'] / 2**20:.2f} MiB on disk, "
