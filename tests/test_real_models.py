@@ -282,3 +282,15 @@ def test_kvzap_scores_with_the_predictor_kvstack_ships_and_sentences_mark_real_t
         got = answer(smollm2, [s.context], [s.question], method, 0.5, max_new_tokens=16, answer_prefix=s.answer_prefix)
         assert s.answer.lower() in got.answers[0].lower(), (method, got.answers[0])
         assert got.kv_ratio <= 0.51
+
+
+def test_a_compiled_slab_answers_the_needle_like_the_cache(smollm2):
+    """SmolLM2 in bf16, a 4k needle, snapkv at 1/4: decoding on a slab under inductor gives the
+    KVCache's answer, with the slab's bytes within a few places a head of the budget."""
+    s = needle_sample()
+    args = ([s.context], [s.question], "snapkv", 0.25)
+    cache = answer(smollm2, *args, max_new_tokens=12, answer_prefix=s.answer_prefix)
+    compiled = answer(smollm2, *args, max_new_tokens=12, answer_prefix=s.answer_prefix, decode_on="compiled")
+    assert compiled.answers == cache.answers and compiled.compile_s > 0
+    assert s.answer.lower() in cache.answers[0].lower()
+    assert compiled.kv_bytes_end <= 0.26 * compiled.kv_bytes_full_end
