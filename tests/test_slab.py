@@ -195,3 +195,17 @@ def test_speed_measures_a_slab_row():
 def rows_full_bytes(model) -> int:
     """A full cache's bytes for 64 + 4 tokens of the tiny llama: 4 layers, 2 heads, 16 channels, float32."""
     return 4 * 2 * (64 + 4) * 2 * 16 * 4
+
+
+@pytest.mark.parametrize(
+    "stack,budget,length", [("snapkv", 0.5, 20), ("keydiff", "24KB", PROMPT), ("keydiff", "32t", PROMPT)]
+)
+def test_short_prompts_and_fixed_budgets_decode_like_the_cache(model, stack, budget, length):
+    """A prompt shorter than SnapKV's window (the ring of observed queries fills while decoding,
+    as the cache's does), a byte budget (shares that fall on sliding layers) and a token budget."""
+    rows = [prompt()[0, :length].tolist()]
+    ids, logits, cache = decode(model, stack, budget, rows)
+    slab_ids, slab_logits, slab = decode(model, stack, budget, rows, slab=True)
+    assert torch.equal(ids, slab_ids)
+    torch.testing.assert_close(slab_logits, logits, atol=1e-5, rtol=0)
+    assert slab.cache.compressions == cache.compressions and slab.grown == 0

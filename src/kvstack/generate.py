@@ -191,7 +191,7 @@ class SlabRunner:
 
     def __init__(self, runner: Runner, new_tokens: int, compile: bool = False, backend: str = "inductor") -> None:
         assert runner.mask is not None, "prefill the runner first"
-        self.model = runner.model
+        self.model, self.runner = runner.model, runner
         with torch.inference_mode():  # the step's tensors are inference tensors: a guard sees them alike
             self.slab = SlabCache(runner.cache, new_tokens)
             self.position = runner.mask.sum(-1, keepdim=True)  # (b, 1) each sequence's next position
@@ -211,6 +211,10 @@ class SlabRunner:
         logits = self.step(ids.to(device), self.position, slot)
         self.position = self.position + 1
         self.slab.advance(1)
+        runner = self.runner  # the runner's sequence goes on with the slab's (its cache views the slab)
+        assert runner.mask is not None
+        runner.mask = torch.cat([runner.mask, runner.mask.new_ones(runner.mask.shape[0], 1)], dim=1)
+        runner.last_logits = logits
         return logits
 
 

@@ -204,7 +204,7 @@ def kvstack_attention(
     if getattr(module, "attn_logit_softcapping", None):
         raise NotImplementedError("kvstack attention does not support attention logit soft-capping yet")
     if isinstance(key, SlabView):  # fixed-shape storage: its slots mask padding, one call for the layer
-        return attend(query, key, scale), None
+        return attend(query, key, scale, sliding_window), None
     padding = attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None
     if not isinstance(key, LayerView):  # no cache: plain causal attention over the given tensors
         t = key.shape[2]

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from kvstack.cache.layer import SLOT_DTYPE
 
-ROOM = 2  # places per head beyond the share sized for: the step's new token, and a token of rounding
+ROOM = 2  # places per head beyond its share: the step's new token before the policy evicts, and one to spare
 
 
 @dataclass
@@ -33,6 +33,7 @@ class SlabLayer:
     window: int | None
     queries: torch.Tensor | None = None
     query_slots: torch.Tensor | None = None
+    observed: int = 0  # places of the ring that hold a query (the newest last), on the host
 
     @property
     def capacity(self) -> int:
@@ -51,20 +52,22 @@ class SlabView:
     query_slots: torch.Tensor
 
 
-def attend(query: torch.Tensor, view: SlabView, scale: float) -> torch.Tensor:
+def attend(query: torch.Tensor, view: SlabView, scale: float, window: int | None = None) -> torch.Tensor:
     """Attention of query (b, h*g, q, d) over one layer's slab in one call: the g query heads of
-    each KV head attend as g*q queries of one head, masked by slot (empty, future, outside a
-    sliding window). Logits and softmax in float32, as `few_queries`; on a GPU one SDPA call.
-    Returns (b, q, h*g, d). The step's queries enter the layer's ring of observed queries."""
+    each KV head attend as g*q queries of one head, masked by slot (empty, future, outside the
+    sliding window the model passes, else the layer's). On CPU logits and softmax in float32, as
+    `few_queries`; on a GPU one SDPA call in the model's dtype. Returns (b, q, h*g, d). The
+    step's queries enter the layer's ring of observed queries."""
     slab = view.layer
+    window = window if window is not None else slab.window
     b, hg, q, d = query.shape
     h, capacity = slab.keys.shape[1], slab.keys.shape[2]
     g = hg // h
     query_slots = view.query_slots.to(SLOT_DTYPE).view(1, 1, q, 1)
     key_slots = slab.slots.unsqueeze(2)  # (b, h, 1, capacity)
     allowed = (key_slots >= 0) & (key_slots <= query_slots)
-    if slab.window is not None:
-        allowed = allowed & (key_slots > query_slots - slab.window)
+    if window is not None:
+        allowed = allowed & (key_slots > query_slots - window)
     grouped = query.reshape(b, h, g * q, d)
     if query.is_cuda:
         mask = allowed.unsqueeze(2).expand(b, h, g, q, capacity).reshape(b, h, g * q, capacity)

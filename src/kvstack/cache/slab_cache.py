@@ -8,13 +8,14 @@ over its whole slab; no tensor is created, grown or freed by the step, so `torch
 (`fullgraph=True`) traces it once. Between steps, outside any compiled code, the cache's own
 policy decides as it does for a `KVCache` (the same checks, the same block eviction), over views
 of the slab, and the kept tokens are written back to the front of each head's slab: eviction
-frees places, not memory. `nbytes()` reads the slabs, which is what the budget at the last token
-sized for allows (plus a place or two per head): memory is held from the first step, as
-transformers' StaticCache holds it.
+frees places, not memory. `nbytes()` reads the slabs: the most the budget lets a head hold
+while decoding (plus `ROOM` places), held from the first step, as transformers' StaticCache
+holds its maximum length.
 
-Stacks that only evict (scorers reading keys, values or observed queries; allocators): a stack
-that codes, merges, folds, joins, retrieves, plans or scores by attention weights keeps its
-tokens in shapes a slab cannot hold, and is refused in one line (`check_slab`).
+A slab holds eviction stacks: scorers that read keys, values or observed queries, with
+allocators that give layers their budgets. A stack that codes, merges, folds, joins, retrieves,
+plans, scores by attention weights or splits a layer's budget unevenly among its heads is
+refused in one line (`check_slab`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch.nn.functional as F
 from transformers.cache_utils import Cache
 
 from kvstack.cache.heads import PerHead
+from kvstack.cache.keep import Keep
 from kvstack.cache.layer import SLOT_DTYPE, storage_bytes
 from kvstack.cache.slab import ROOM, SlabLayer, SlabView
 from kvstack.errors import UserError
@@ -73,12 +75,6 @@ def check_slab(stack: Stack) -> None:
         )
 
 
-def capacity_of(layer: CompressedLayer, share: int) -> int:
-    """Places per head of `layer`'s slab: the most its policy lets a head hold by the last token
-    sized for (`share`; no fewer than it holds now), plus `ROOM`."""
-    return max(share, *(layer.head_len(h) for h in range(layer.n_kv_heads))) + ROOM
-
-
 class SlabCache(Cache):
     """A compressed prompt's cache in fixed-shape storage, decoding under its stack's policy (see
     module docstring). Build it with `SlabCache(cache, new_tokens)` from a prefilled `KVCache`;
@@ -90,6 +86,8 @@ class SlabCache(Cache):
             raise UserError("a slab starts from a prefilled cache: run the prompt through the KVCache first")
         if any(layer.is_coded or layer.tier is not None or layer.comp_slot is not None for layer in cache.layers):
             raise UserError("this cache holds coded, offloaded or folded tokens, which a slab cannot hold")
+        if cache.needs or any(layer.stats for layer in cache.layers):
+            raise UserError("this cache records attention statistics (observe=...), which a slab does not extend")
         padding = cache.seq.padding
         if padding is not None and any(layer.is_sliding for layer in cache.layers):
             raise UserError(
@@ -99,12 +97,13 @@ class SlabCache(Cache):
         self.seen = cache.layers[0].seen
         self._pending = False  # an eager forward ran and `advance` has not yet followed it
         self.grown = 0  # slabs re-allocated because a head outgrew its capacity (each one a recompile)
-        shares = self._shares_at(self.seen + new_tokens)
-        slabs = [
-            self._fill(layer, capacity_of(layer, share)) for layer, share in zip(cache.layers, shares, strict=True)
-        ]
+        # a share may peak inside the decode (a byte budget's sliding layers): the most of three points
+        points = [self._shares_at(self.seen + n) for n in (0, new_tokens // 2, new_tokens)]
+        shares = [max(column) for column in zip(*points, strict=True)]
+        slabs = [self._fill(layer, share) for layer, share in zip(cache.layers, shares, strict=True)]
         super().__init__(layers=slabs)
         self.slabs: list[SlabLayer] = slabs
+        self.sync()  # the KVCache's layers now view the slabs: the prompt's own tensors are freed
 
     def _shares_at(self, seen: int) -> list[int]:
         """Per layer, the most tokens a head may hold after `seen` slots under the cache's policy
@@ -129,9 +128,15 @@ class SlabCache(Cache):
         finally:
             cache.seq.padding = padding
 
-    def _fill(self, layer: CompressedLayer, capacity: int) -> SlabLayer:
-        """A slab of `capacity` places per head holding `layer`'s tokens at the front of each head."""
+    def _fill(self, layer: CompressedLayer, share: int) -> SlabLayer:
+        """A slab holding `layer`'s real tokens at the front of each head (padding places dropped),
+        with `share` places per head (no fewer than it holds) plus `ROOM`, and a ring of the
+        stack's query window."""
+        valid = layer.valid_mask(layer.dense_slots())
+        if not bool(valid.all()):  # padding holds places the policy never counts: drop them now
+            layer.apply(Keep(index=torch.argsort((~valid).to(torch.int8), dim=-1, stable=True), count=valid.sum(-1)))
         b, h = layer.batch, layer.n_kv_heads
+        capacity = max(share, *(layer.head_len(i) for i in range(h))) + ROOM
         k0 = layer.keys[0]
         keys = k0.new_zeros(b, h, capacity, k0.shape[-1])
         values = layer.values[0].new_zeros(b, h, capacity, layer.values[0].shape[-1])
@@ -139,8 +144,14 @@ class SlabCache(Cache):
         length = torch.zeros(h, dtype=torch.long, device=k0.device)
         slab = SlabLayer(keys, values, slots, length, [0] * h, layer.sliding_window)
         self._absorb(layer, slab)
-        if layer.queries is not None and layer.query_slots is not None:
-            slab.queries, slab.query_slots = layer.queries.clone(), layer.query_slots.clone()
+        window = self.cache.query_window
+        if window > 0 and layer.queries is not None and layer.query_slots is not None:
+            held = layer.queries[:, :, -window:]  # the ring: the window's places, the newest last
+            slab.queries = held.new_zeros(*held.shape[:2], window, held.shape[-1])
+            slab.query_slots = torch.full((window,), -1, dtype=layer.query_slots.dtype, device=held.device)
+            slab.queries[:, :, window - held.shape[2] :] = held
+            slab.query_slots[window - held.shape[2] :] = layer.query_slots[-window:]
+            slab.observed = held.shape[2]
         return slab
 
     # ---- the transformers Cache API (traced by torch.compile: tensors only, no host state) ----
@@ -161,6 +172,8 @@ class SlabCache(Cache):
                 )
             self._pending = True
         b, h, q, d = key_states.shape
+        if q > 1 and not torch.compiler.is_compiling():
+            raise UserError("a slab decodes one token per sequence a step: run longer inputs on the KVCache")
         slots = (cache_kwargs or {}).get("cache_position")
         if slots is None:
             raise ValueError("a SlabCache needs cache_position (kvstack's loop and model.generate pass it)")
@@ -206,12 +219,15 @@ class SlabCache(Cache):
             cache.seq.padding = torch.cat(
                 [padding, padding.new_ones(padding.shape[0], self.seen - padding.shape[1])], 1
             )
+        evicts = cache.stack.evictor is not None and not cache.budget.is_full
         for layer, slab in zip(cache.layers, self.slabs, strict=True):
             slab.used = [n + q for n in slab.used]
             layer.seen = self.seen
-            if slab.queries is not None:  # the ring the step wrote, as the policy reads observed queries
-                layer.queries, layer.query_slots = slab.queries, slab.query_slots
-            if not layer.is_sliding and self.seen <= layer.next_check:
+            if slab.queries is not None and slab.query_slots is not None:  # the ring's filled places, newest last
+                slab.observed = min(slab.observed + q, slab.queries.shape[2])
+                layer.queries = slab.queries[:, :, -slab.observed :]
+                layer.query_slots = slab.query_slots[-slab.observed :]
+            if not layer.is_sliding and (not evicts or self.seen <= layer.next_check):
                 continue  # no head can be over its share yet (`Policy._maintain` would return at once)
             self._expose(layer, slab)
             before = layer.keys
@@ -243,7 +259,7 @@ class SlabCache(Cache):
         for h in range(layer.n_kv_heads):
             keys = layer.keys[h]
             n = keys.shape[1]
-            if n + ROOM - 1 > slab.capacity:
+            if n > slab.capacity:
                 raise RuntimeError(
                     f"head {h} of layer {layer.layer_idx} holds {n} tokens, over its slab of {slab.capacity}"
                 )
@@ -257,7 +273,8 @@ class SlabCache(Cache):
 
     def _grow(self, slab: SlabLayer) -> None:
         """Re-allocate `slab` a quarter larger (a compiled step then traces again): only when a
-        share grew faster than the tokens seen, which a fraction's never does."""
+        head holds more than the shares its capacity was sized by (tested: never on the stacks and
+        budgets of tests/test_slab.py)."""
         self.grown += 1
         extra = max(16, slab.capacity // 4)
         slab.keys = F.pad(slab.keys, (0, 0, 0, extra))
