@@ -136,6 +136,8 @@ def test_stacks_a_slab_cannot_hold_are_refused_in_one_line(spec, why):
     with pytest.raises(UserError, match=why) as error:
         check_slab(Stack.parse(spec))
     assert "\n" not in str(error.value)
+    suggested = str(error.value).split("such as ")[1].replace(" or ", ", ").split(", ")
+    assert all(check_slab(Stack.parse(spec)) is None for spec in suggested)  # what it suggests is held
     with pytest.raises(UserError, match=why):
         Engine.parse(f"{spec}@0.25:compiled")
 

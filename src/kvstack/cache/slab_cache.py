@@ -71,7 +71,7 @@ def check_slab(stack: Stack) -> None:
     if why is not None:
         raise UserError(
             f"{stack.label} {why}, which a slab (fixed-shape storage for compiled decoding) cannot hold: "
-            "decode it on its KVCache, or use an eviction stack such as keydiff, snapkv or adakv(keydiff)"
+            "decode it on its KVCache, or use an eviction stack such as keydiff, snapkv or pyramid(keydiff)"
         )
 
 
