@@ -28,6 +28,9 @@ SHORT = {
     "s3": "s3(page=4, select=16, window=8)",
     "hisa": "hisa(page=4, select=16, tokens=8)",
     "tokenselect": "tokenselect(page=4, select=16, tokens=8)",
+    "louiskv": "louiskv(page=4, select=16)",
+    "lycheedecode": "lycheedecode(page=4, select=16)",
+    "shadowselect": "shadowselect(page=4, select=16, outliers=1)",
     # 8 tokens per head overflow tiny Gemma's 15-token windows: least=2
     "auto": "auto(tokens=256, samples=1, least=2, validate=1)",
 }

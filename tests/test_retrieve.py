@@ -14,18 +14,22 @@ from hypothesis import strategies as st
 from helpers import ids_of
 from kvstack.cache.cache import KVCache
 from kvstack.cache.layer import storage_bytes
+from kvstack.cache.stores import HostStore
 from kvstack.cache.tier import EMPTY_SLOT, Tier
 from kvstack.errors import UserError
 from kvstack.generate import Runner
 from kvstack.methods.retrieve.base import resident_share, top_entries
 from kvstack.methods.retrieve.hisa import Hisa
+from kvstack.methods.retrieve.louiskv import LouisKV
+from kvstack.methods.retrieve.lycheedecode import LycheeDecode, retrieval_heads
 from kvstack.methods.retrieve.quest import Quest
 from kvstack.methods.retrieve.s3 import S3, bm25, last_words, reciprocal_rank
+from kvstack.methods.retrieve.shadowselect import ShadowSelect, outlier_chunks
 from kvstack.methods.retrieve.squeezed import Squeezed, kmeans
 from kvstack.methods.retrieve.tokenselect import soft_votes
 from kvstack.policy import policy as policy_module
 from kvstack.stack import Stack
-from test_cache import prompt
+from test_cache import prompt, step_logits
 
 
 def _tier(keys: torch.Tensor, page: int) -> Tier:
@@ -57,7 +61,7 @@ def test_fetch_reads_back_what_was_written_and_marks_empty_entries():
     assert got.slots.tolist() == [[[14, EMPTY_SLOT, 10, 11, EMPTY_SLOT, EMPTY_SLOT]]]
     assert torch.equal(got.keys[0, 0, 0], keys[4]) and torch.equal(got.keys[0, 0, 2:4], keys[:2])
     assert torch.equal(got.values[0, 0, 2:4], -keys[:2])
-    last = os.fstat(tier.file.fileno()).st_size - 2 * tier.record_bytes  # the file ends inside page 2
+    last = os.fstat(tier.store.file.fileno()).st_size - 2 * tier.record_bytes  # the file ends inside page 2
     assert got.nbytes == tier.record_bytes + last  # pages 0 and 2 read, the unwritten one skipped
     assert tier.offloaded_nbytes() == 5 * (2 * 2 * 2 + 4)
 
@@ -236,6 +240,9 @@ def test_resident_share_by_hand():
         "s3(page=4, fuse=True)",
         "hisa(page=4, tokens=4096)",
         "tokenselect(page=4, tokens=4096)",
+        "louiskv(page=4)",
+        "lycheedecode(page=4)",
+        "shadowselect(page=4)",
     ],
 )
 def test_retrieving_every_page_gives_the_full_cache(llama, monkeypatch, spec):
@@ -341,3 +348,144 @@ def test_generate_reports_the_slow_tier(tiny_folder, tmp_path):
     assert code == 0, err
     line = " ".join(out.split())  # the terminal may wrap the summary
     assert re.search(r"ratio 0\.2\d\d, .*slow tier [\d.]+ MiB on disk, \d+ KiB read back per token", line), line
+
+
+def test_louiskv_ranks_afresh_only_when_the_query_turns_away():
+    method = LouisKV(page=4, select=8, threshold=0.9)
+    anchor = torch.tensor([[[1.0, 0.0], [0.0, 1.0]]])  # (1, 2 heads, d 2)
+    near = torch.tensor([[[[1.0, 0.2], [1.0, 0.2]], [[1.0, 0.0], [-1.0, 0.0]]]])  # head 1's queries average to 0
+    assert method.stale(near, anchor).tolist() == [[False, True]]  # cos 0.98 keeps; a turned mean ranks
+    assert LouisKV(page=4, select=8, threshold=-1.0).stale(near, anchor).tolist() == [[False, False]]
+
+
+def test_louiskv_clusters_the_prompt_and_keeps_the_output_in_order_after_it():
+    centres = torch.tensor([[8.0, 0.0], [0.0, 8.0]])
+    truth = torch.arange(16) % 2
+    keys = (centres[truth] + 0.1 * torch.randn(16, 2, generator=torch.Generator().manual_seed(0)))[None, None]
+    moved = torch.ones(1, 1, 16, dtype=torch.bool)
+    prompt = (torch.arange(16) < 12)[None, None]  # the last 4 tokens were generated
+    order = LouisKV(page=6, select=6).arrange(keys, moved, prompt)[0, 0]
+    assert len(set(order[:12][truth[:12] == 0].tolist())) == 1 and len(set(order[:12].tolist())) == 2
+    assert order[12:].tolist() == [2] * 4  # one segment after both clusters (slot order within it)
+    tier = Tier(1, 1, 2, torch.float32, 6, summaries=("mean",))
+    tier.append(keys, keys, torch.arange(16)[None, None], moved, order[None, None])
+    assert tier.fetch(torch.tensor([[[2]]])).slots[0, 0, :4].tolist() == [12, 13, 14, 15]
+
+
+def test_louiskv_keeps_its_choice_while_the_query_stays_and_counts_what_it_remembers(llama, monkeypatch):
+    calls = []
+    rank = LouisKV.rank
+    monkeypatch.setattr(LouisKV, "rank", lambda self, *a: calls.append(1) or rank(self, *a))
+    counts = {}
+    for threshold in (-1.0, 1.0):
+        calls.clear()
+        cache = KVCache(llama, f"louiskv(page=4, select=16, threshold={threshold})", 0.3)
+        runner = Runner(llama, cache)
+        runner.forward(torch.tensor([prompt(120)]), torch.ones(1, 120, dtype=torch.long))
+        before = len(calls)
+        chosen = []
+        for t in prompt(12, seed=2):
+            runner.forward(torch.tensor([[t]]), torch.ones(1, 1, dtype=torch.long))
+            chosen.append(cache.layers[1].tier.chosen.clone())
+            assert cache.nbytes() <= 0.3 * cache.full_nbytes()
+        counts[threshold] = len(calls) - before
+        layer = cache.layers[1]
+        remembered = layer.tier.anchor.nbytes + layer.tier.chosen.nbytes
+        assert 0 < remembered < layer.token_bytes() * layer.tier.heads  # under one token per head (paid for)
+    steps, layers = 12, len(cache.layers)
+    assert counts[1.0] == steps * layers  # every step ranks
+    assert counts[-1.0] < steps * layers // 2  # a query that never turns: ranks only when the pages grow
+
+
+def test_lycheedecode_followers_take_the_retrieval_heads_ranking():
+    ranks = torch.tensor([[[1.0, 2.0, 3.0], [3.0, 1.0, 2.0], [2.0, 3.0, 1.0]]])  # (1, 3 heads, 3 pages)
+    table = torch.tensor([[0.1, 0.7, 0.2]])  # layer 0: head 1 retrieves most
+    led = LycheeDecode(page=4, select=8).lead(ranks, table, 0)
+    assert led[0].tolist() == [[3.0, 1.0, 2.0]] * 3
+    two = LycheeDecode(page=4, select=8, leaders=2).lead(ranks, table, 0)
+    assert two[0, 1:].tolist() == ranks[0, 1:].tolist()  # the leaders keep their own
+    fused = 1 / torch.tensor([61.0, 63.0, 62.0]) + 1 / torch.tensor([62.0, 61.0, 63.0])  # reciprocal ranks by hand
+    torch.testing.assert_close(two[0, 0], fused)
+    assert retrieval_heads(torch.tensor([0.2, 0.5, 0.5]), 1).tolist() == [1]  # ties to the lower head
+
+
+def test_lycheedecode_brings_back_the_leaders_pages_for_every_head(llama, monkeypatch):
+    fetched = []
+    fetch = Tier.fetch
+    monkeypatch.setattr(Tier, "fetch", lambda self, pages: fetched.append(pages.clone()) or fetch(self, pages))
+    cache = KVCache(llama, "lycheedecode(page=4, select=16)", 0.3)
+    runner = Runner(llama, cache)
+    runner.forward(torch.tensor([prompt(120)]), torch.ones(1, 120, dtype=torch.long))
+    for t in prompt(4, seed=2):
+        runner.forward(torch.tensor([[t]]), torch.ones(1, 1, dtype=torch.long))
+    assert fetched and all(bool((pages == pages[:, :1]).all()) for pages in fetched)  # one choice per layer
+    with pytest.raises(UserError, match="build the KVCache from the model"):
+        LycheeDecode().load(llama.config)
+
+
+def test_shadowselect_outliers_and_landmark_softmax_by_hand():
+    keys = torch.ones(1, 1, 20, 2)
+    keys[0, 0, 9] = torch.tensor([1.0, -1.0])  # chunk 1 (positions 8-15) holds one key unlike the rest
+    keys[0, 0, 17] = torch.tensor([-1.0, 0.0])  # chunk 2 is not held whole (positions 16-19)
+    positions = torch.arange(20)[None, None]
+    valid = torch.ones(1, 1, 20, dtype=torch.bool)
+    kept = outlier_chunks(keys, positions, valid, 8, torch.tensor([[1]]))[0, 0]
+    assert kept.nonzero().squeeze(-1).tolist() == list(range(8, 16))
+    assert not outlier_chunks(keys, positions, valid, 8, torch.tensor([[0]])).any()
+    means = torch.tensor([[[[1.0, 0.0], [0.0, 1.0], [0.0, 0.0]]]])  # the third page is not written yet
+    queries = torch.tensor([[[[2.0, 0.0], [0.0, 2.0]]]])
+    got = ShadowSelect(page=8, select=8).rank(queries, {"mean": means})
+    one = torch.softmax(torch.tensor([2.0, 0.0]) / math.sqrt(2), -1)
+    torch.testing.assert_close(got[0, 0], torch.cat([one + one.flip(0), torch.zeros(1)]))
+
+
+def test_shadowselect_keeps_its_outlier_chunks_resident(llama):
+    cache = KVCache(llama, "shadowselect(page=4, select=16, outliers=2)", 0.6)  # 32 tokens a head stay resident
+    Runner(llama, cache).forward(torch.tensor([prompt(120)]), torch.ones(1, 120, dtype=torch.long))
+    layer = cache.layers[1]
+    slots = layer.dense_slots()[0]  # (h, t) what each head holds
+    for h in range(slots.shape[0]):
+        held = slots[h][slots[h] >= 0]
+        chunks = torch.bincount(held // 8, minlength=16)
+        whole = (chunks[:11] == 8).sum()  # chunks held whole below the recent window (91-119)
+        assert whole >= 2, f"head {h} holds {int(whole)} whole chunks"
+
+
+def test_a_host_memory_tier_reads_back_what_a_file_tier_does():
+    gen = torch.Generator().manual_seed(3)
+    tiers = {kind: Tier(2, 2, 8, torch.bfloat16, 4, store=kind) for kind in ("disk", "host")}
+    for step in range(3):  # appends of uneven lengths per head, over several pages
+        t = 7 + 5 * step
+        keys = torch.randn(2, 2, t, 8, generator=gen).to(torch.bfloat16)
+        slots = torch.arange(100 * step, 100 * step + t).expand(2, 2, t)
+        moved = torch.rand(2, 2, t, generator=gen) < 0.7
+        for tier in tiers.values():
+            tier.append(keys, -keys, slots, moved)
+    pages = torch.tensor([[[0, 2, 5], [1, 3, 9]], [[4, 0, 1], [2, 2, 0]]])  # 9: past every head's pages
+    disk, host = tiers["disk"], tiers["host"]
+    assert isinstance(host.store, HostStore) and not host.store.pinned  # pinned only where CUDA is
+    for a, b in [
+        (disk, host),
+        (disk.copy(), host.copy()),
+        (disk.select_batch(torch.tensor([1])), host.select_batch(torch.tensor([1]))),
+    ]:
+        rows = pages[: a.batch]
+        got, want = b.fetch(rows), a.fetch(rows)
+        assert torch.equal(got.keys, want.keys) and torch.equal(got.values, want.values)
+        assert torch.equal(got.slots, want.slots) and got.nbytes == want.nbytes
+    store = HostStore()
+    store.write(b"abcdef", (1 << 20) - 2)  # grows past its first megabyte
+    first, second = bytearray(3), bytearray(5)
+    assert store.readv([memoryview(first), memoryview(second)], (1 << 20) - 2) == 6  # short past the end
+    assert bytes(first) == b"abc" and bytes(second[:3]) == b"def"
+
+
+def test_a_retriever_on_a_host_tier_answers_as_on_disk(llama):
+    runs = {}
+    for kind in ("disk", "host"):
+        cache = KVCache(llama, f"quest(page=4, select=16, store={kind})", 0.3)
+        logits = step_logits(llama, cache, prompt(90), prompt(6, seed=4))
+        runs[kind] = (logits, cache.nbytes(), cache.offloaded_nbytes())
+    assert torch.equal(runs["disk"][0], runs["host"][0]) and runs["disk"][1:] == runs["host"][1:]
+    with pytest.raises(UserError, match="store must be one of auto, disk, host"):
+        Stack.parse("quest(store=gpu)")

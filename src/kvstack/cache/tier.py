@@ -1,12 +1,13 @@
 """A slow tier for one layer: the tokens a retrieval method moved out of the resident cache.
 
-Tokens live in a file on disk (an unlinked temporary file: it leaves the process's memory, and
-the operating system frees it when the cache goes), in pages of `page` entries per sequence and
+Tokens live in a store (`kvstack.cache.stores`): a file on disk (an unlinked temporary file: it
+leaves the process's memory, and the operating system frees it when the cache goes), or host
+memory, pinned when the cache is on a GPU; in pages of `page` entries per sequence and
 KV head; what stays resident is a small index of page summaries, (b, h, P, d) each in the
 model's dtype: the channel-wise key minimum `lo` and maximum `hi` (Quest's bound) or the keys'
 `mean` (a centroid), as the retriever asks; or (b, h, P, page) int32 the `slots` a page holds
 (-1 empty), for a retriever that ranks pages by their text. A page's record holds its keys,
-then its values, then its entries' slots (int32); reading it is one `preadv` that scatters the
+then its values, then its entries' slots (int32); reading it is one `readv` that scatters the
 three into the keys, values and slots of every page fetched at once (no copy after the read).
 
 File layout: page p of sequence b, head h is the record at ((p * B + b) * H + h) * record_bytes,
@@ -16,11 +17,11 @@ empty (slot -1, masked out by attention).
 
 from __future__ import annotations
 
-import os
-import tempfile
 from dataclasses import dataclass
 
 import torch
+
+from kvstack.cache.stores import open_store
 
 EMPTY_SLOT = -1
 SUMMARIES = ("lo", "hi", "mean", "slots")  # what a page's index entry may hold about its tokens
@@ -62,6 +63,7 @@ class Tier:
         device: torch.device | str = "cpu",
         summaries: tuple[str, ...] = ("lo", "hi"),
         bits: int = 16,
+        store: str = "auto",
     ) -> None:
         self.batch, self.heads, self.head_dim, self.dtype, self.page = batch, heads, head_dim, dtype, page
         assert bits in (8, 16), bits
@@ -83,8 +85,13 @@ class Tier:
         self.field_bytes = {name: t.itemsize * n for name, (t, n) in self.fields.items()}  # per token
         self.token_bytes = sum(self.field_bytes.values())
         self.record_bytes = page * self.token_bytes
-        self.file = tempfile.TemporaryFile(prefix="kvstack-tier-")
+        self.store_kind = store
+        self.store = open_store(store, self.device)
         self.read_bytes = 0  # bytes read back from the file so far
+        # a retriever that remembers its last choice (LouisKV): the mean query (b, h, d) that made
+        # it, in the model's dtype, and the pages (b, h, k) int32 it chose; resident, counted
+        self.anchor: torch.Tensor | None = None
+        self.chosen: torch.Tensor | None = None
         self.written_bytes = 0
 
     def _blank(self, name: str, batch: int, pages: int, device: torch.device | str) -> torch.Tensor:
@@ -124,7 +131,6 @@ class Tier:
             return
         new_count = self.count + counts
         self._grow(int(((new_count + self.page - 1) // self.page).max()))
-        fd = self.file.fileno()
         for b in range(self.batch):
             for h in range(self.heads):
                 if not int(counts[b, h]):
@@ -141,7 +147,7 @@ class Tier:
                     n = min(self.page - inside, len(take) - done)
                     start = self._offset(p, b, h)
                     for name, tensor in data.items():  # each field's entries `inside`.. of the page
-                        os.pwrite(fd, _raw(tensor[done : done + n]), start + inside * self.field_bytes[name])
+                        self.store.write(_raw(tensor[done : done + n]), start + inside * self.field_bytes[name])
                         start += self.page * self.field_bytes[name]
                     self.written_bytes += n * self.token_bytes
                     self._summarise(b, h, p, inside, keys[b, h, take[done : done + n]], data["slots"][done : done + n])
@@ -190,9 +196,10 @@ class Tier:
         from the file: one `preadv` per page into one buffer, then views of it."""
         b, h, k = pages.shape
         n = k * self.page
-        got = {name: torch.zeros(b, h, n, width, dtype=t) for name, (t, width) in self.fields.items()}
+        pin = self.store.pinned  # read into page-locked buffers: the copy to the GPU is a DMA
+        got = {name: torch.zeros(b, h, n, width, dtype=t, pin_memory=pin) for name, (t, width) in self.fields.items()}
         views = {name: memoryview(t.view(torch.uint8).numpy()).cast("B") for name, t in got.items()}
-        fd, chosen, filled = self.file.fileno(), pages.cpu(), self.pages
+        chosen, filled = pages.cpu(), self.pages
         wanted, have = chosen.tolist(), filled.tolist()  # plain ints: indexing tensors per page costs more
         sizes = [(views[name], self.page * self.field_bytes[name]) for name in self.fields]
         record, read, row = self.record_bytes, 0, 0
@@ -202,7 +209,7 @@ class Tier:
                 for p in wanted[bi][hi]:
                     if p < have[bi][hi]:  # the page's place among those fetched is `row`: one read, every field
                         parts = [view[row * size : (row + 1) * size] for view, size in sizes]
-                        read += os.preadv(fd, parts, (p * b * h + base) * record)
+                        read += self.store.readv(parts, (p * b * h + base) * record)
                     row += 1
         self.read_bytes += read
         entry = chosen[..., None] * self.page + torch.arange(self.page)  # (b, h, k, page) entry numbers
@@ -221,8 +228,9 @@ class Tier:
 
     # ---- bookkeeping -----------------------------------------------------------------------
     def tensors(self) -> list[torch.Tensor]:
-        """What stays resident: the page index and the entry counts."""
-        return [*self.index.values(), self.count]
+        """What stays resident: the page index, the entry counts and a remembered choice."""
+        remembered = [t for t in (self.anchor, self.chosen) if t is not None]
+        return [*self.index.values(), self.count, *remembered]
 
     def offloaded_nbytes(self) -> int:
         """Bytes the file holds for filled entries (keys, values and slots)."""
@@ -231,26 +239,28 @@ class Tier:
     def copy(self) -> Tier:
         """A tier that evolves on its own: the file copied, the index cloned."""
         new = self._like(self.batch)
-        self.file.seek(0)
-        while chunk := self.file.read(1 << 24):
-            new.file.write(chunk)
-        new.file.flush()
+        new.store = self.store.clone()
         new.count, new.index = self.count.clone(), {n: t.clone() for n, t in self.index.items()}
+        new.anchor, new.chosen = (None, None) if self.anchor is None else (self.anchor.clone(), self.chosen.clone())
         return new
 
     def _like(self, batch: int) -> Tier:
-        return Tier(batch, self.heads, self.head_dim, self.dtype, self.page, self.device, tuple(self.index), self.bits)
+        index = tuple(self.index)
+        return Tier(
+            batch, self.heads, self.head_dim, self.dtype, self.page, self.device, index, self.bits, self.store_kind
+        )
 
     def select_batch(self, index: torch.Tensor) -> Tier:
         """A tier holding only the sequences in `index` (b',), in that order."""
         rows = index.cpu().tolist()
         new = self._like(len(rows))
         new._grow(self.n_pages)
-        fd, out = self.file.fileno(), new.file.fileno()
         for nb, b in enumerate(rows):
             for h in range(self.heads):
                 for p in range(int(self.pages[b, h])):
-                    os.pwrite(out, os.pread(fd, self.record_bytes, self._offset(p, b, h)), new._offset(p, nb, h))
+                    new.store.write(self.store.read(self.record_bytes, self._offset(p, b, h)), new._offset(p, nb, h))
         new.count = self.count[rows].clone()
         new.index = {n: t[index.to(self.device)].clone() for n, t in self.index.items()}
+        if self.anchor is not None and self.chosen is not None:
+            new.anchor, new.chosen = self.anchor[index.to(self.device)].clone(), self.chosen[index.cpu()].clone()
         return new

@@ -179,6 +179,7 @@ class Policy:
         room = self.shares.room(layer, layer.seen, layer)[0]
         d = layer.keys[0].shape[-1]
         index_bytes = summary_bytes(retriever.summaries, d, retriever.page, layer.keys[0].dtype.itemsize)
+        keep = keep - int(retriever.remembers)  # its last choice and query: under a token's bytes (tested)
         keep, pages = resident_share(
             keep, room, retriever.page, retriever.select, layer.token_bytes(), index_bytes, full_layers
         )
@@ -198,17 +199,45 @@ class Policy:
         grouped = query.reshape(b, tier.heads, (hg // tier.heads) * q, d)
         ids = self.cache.seq.ids if retriever.reads_text else None  # the token ids up to the last query
         text = ids[:, : last + 1].to(query.device) if ids is not None else None
-        ranks = retriever.rank(grouped, tier.index, text).masked_fill(~tier.page_valid(), float("-inf"))
+        fresh = None  # (b, h) heads that rank afresh; None: all of them
+        if retriever.remembers and q == 1 and tier.chosen is not None and tier.chosen.shape[-1] == k:
+            fresh = retriever.stale(grouped, tier.anchor).cpu()
+        if fresh is None or bool(fresh.any()):
+            chosen = self.choose(layer, grouped, text, pages, k)
+            if fresh is not None:  # the other heads keep their last choice
+                chosen = torch.where(fresh[..., None], chosen, tier.chosen)
+        else:
+            chosen = tier.chosen
+        if retriever.remembers:
+            anchor = grouped.mean(2).to(tier.dtype)
+            tier.anchor = (
+                anchor if fresh is None else torch.where(fresh.to(anchor.device)[..., None], anchor, tier.anchor)
+            )
+            tier.chosen = chosen
+        fetched = tier.fetch(chosen)
+        attended = retriever.refine(grouped, fetched.keys.to(query.device), (fetched.slots >= 0).to(query.device))
+        if attended is not None:  # tokens inside the pages left out of this call: masked as empty
+            fetched.slots = fetched.slots.masked_fill(~attended.to(fetched.slots.device), EMPTY_SLOT)
+        return fetched
+
+    def choose(
+        self, layer: CompressedLayer, grouped: torch.Tensor, text: torch.Tensor | None, pages: torch.Tensor, k: int
+    ) -> torch.Tensor:
+        """(b, h, k) int32 the pages of `layer`'s tier its retriever chooses for queries grouped
+        (b, h, g*q, d) by KV head, each row its `pages` (b,) best at most (an index past the
+        tier's pages: no page)."""
+        tier, retriever = layer.tier, self.stack.retriever
+        valid = tier.page_valid()
+        ranks = retriever.rank(grouped, tier.index, text).masked_fill(~valid, float("-inf"))
+        ranks = retriever.lead(ranks, self.tables.get(retriever.name), layer.layer_idx).masked_fill(
+            ~valid, float("-inf")
+        )
         if bool((pages < k).any()):  # a row that brings back fewer pages than the batch's most: its best only
             place = torch.sort(ranks, dim=-1, descending=True, stable=True).indices.argsort(-1)  # (b, h, P)
             ranks = ranks.masked_fill(place >= pages.to(ranks.device)[:, None, None], float("-inf"))
         chosen = retriever.choose(ranks, k)
         unranked = ranks.gather(-1, chosen.clamp(max=ranks.shape[-1] - 1)) == float("-inf")
-        fetched = tier.fetch(chosen.masked_fill(unranked, ranks.shape[-1]))
-        attended = retriever.refine(grouped, fetched.keys.to(query.device), (fetched.slots >= 0).to(query.device))
-        if attended is not None:  # tokens inside the pages left out of this call: masked as empty
-            fetched.slots = fetched.slots.masked_fill(~attended.to(fetched.slots.device), EMPTY_SLOT)
-        return fetched
+        return chosen.masked_fill(unranked, ranks.shape[-1]).to(torch.int32).cpu()
 
     @cached_property
     def shares_only_grow(self) -> bool:
@@ -314,9 +343,10 @@ class Policy:
             if layer.tier is None:
                 b, h, _, d = obs.keys.shape
                 dtype, page, summaries = layer.keys[0].dtype, retriever.page, retriever.summaries
-                layer.tier = Tier(b, h, d, dtype, page, obs.keys.device, summaries, retriever.bits)
+                layer.tier = Tier(b, h, d, dtype, page, obs.keys.device, summaries, retriever.bits, retriever.store)
             moved = obs.valid & ~kept
-            layer.tier.append(obs.keys, obs.values, obs.slots, moved, retriever.arrange(obs.keys, moved))
+            prompt = (obs.slots >= 0) & (obs.slots < obs.prompt_end)
+            layer.tier.append(obs.keys, obs.values, obs.slots, moved, retriever.arrange(obs.keys, moved, prompt))
         layer.apply(decision, self.shares.demote_codecs)
         if folding:
             fold(layer, dropped, dense_keys, dense_values, dense_slots)

@@ -11,10 +11,11 @@ and the pages brought back for one layer at a time (`resident_share`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
+from kvstack.cache.stores import STORES
 from kvstack.methods.allocate.base import default_scorer
 from kvstack.methods.base import Method, Observation
 from kvstack.methods.evict.rescore import Rescorer
@@ -23,7 +24,7 @@ from kvstack.methods.evict.rescore import Rescorer
 @dataclass
 class Retriever(Rescorer):
     """A method that moves the tokens its `scorer` does not keep resident to a slow tier (stored
-    at `bits`: 8 halves what is written and read back, with a scale per token) and retrieves
+    at `bits`: 8 halves what is written and read back, with a scale per token; in `store`) and retrieves
     `select` of them (whole pages of `page` tokens) per head at each attention call.
     It evicts at its own cadence (a block per head while decoding), not its scorer's."""
 
@@ -32,15 +33,21 @@ class Retriever(Rescorer):
     cadence_from_inner: ClassVar[bool] = False
     summaries: ClassVar[tuple[str, ...]] = ("lo", "hi")  # what the resident index keeps per page (tier.SUMMARIES)
     reads_text: ClassVar[bool] = False  # ranks by the token ids the cache records (their bytes are resident)
+    remembers: ClassVar[bool] = False  # keeps its last choice and the query that made it (`stale`), resident
     scorer: Method = field(default_factory=lambda: default_scorer("streaming"))
     page: int = 64
     select: int = 1024
     bits: int = 16  # how the slow tier stores keys and values: 16 as the model holds them, or 8
+    store: str = (
+        "auto"  # where the slow tier lives: "disk" (a file), "host" (memory, pinned on a GPU); auto: host on a GPU
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.bits not in (8, 16):
             raise ValueError(f"{self.name}: bits must be 16 (as the model holds them) or 8, got {self.bits}")
+        if self.store not in STORES:
+            raise ValueError(f"{self.name}: store must be one of {', '.join(STORES)}, got {self.store!r}")
         if self.page < 1:
             raise ValueError(f"{self.name}: page must be >= 1 token, got {self.page}")
         if self.select < self.page:
@@ -67,15 +74,30 @@ class Retriever(Rescorer):
         best = torch.sort(ranks, dim=-1, descending=True, stable=True).indices[..., :k]
         return torch.sort(best, dim=-1).values
 
+    def stale(self, queries: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+        """(b, h) True where a head ranks its pages afresh for queries (b, h, g, d) of one decoding
+        step, given anchor (b, h, d): the mean query of the call that made its last choice (a
+        retriever that `remembers`; the others rank at every call)."""
+        return torch.ones(queries.shape[:2], dtype=torch.bool, device=queries.device)
+
+    def lead(self, ranks: torch.Tensor, table: Any, layer: int) -> torch.Tensor:
+        """(b, h, P) the ranks each head of `layer` chooses its pages by, from every head's own
+        ranks (b, h, P) and what the method loaded from the model (`Method.load`: None by
+        default): its own (the default), or another head's."""
+        return ranks
+
     def refine(self, queries: torch.Tensor, keys: torch.Tensor, held: torch.Tensor) -> torch.Tensor | None:
         """(b, h, n) which of the n entries brought back (keys (b, h, n, d); `held` False where an
         entry is empty) the call's queries (b, h, g*q, d) attend: a token-level selection inside
         the pages (None: all of them, the default)."""
         return None
 
-    def arrange(self, keys: torch.Tensor, moved: torch.Tensor) -> torch.Tensor | None:
+    def arrange(
+        self, keys: torch.Tensor, moved: torch.Tensor, prompt: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
         """(b, h, t) the order in which the tokens `moved` (b, h, t) of keys (b, h, t, d) fill the
-        tier's pages (None: by slot, so a page is a run of the sequence)."""
+        tier's pages (None: by slot, so a page is a run of the sequence); `prompt` (b, h, t) is
+        True for tokens that came with the prompt (None: unknown)."""
         return None
 
 

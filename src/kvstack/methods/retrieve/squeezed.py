@@ -47,7 +47,7 @@ class Squeezed(Retriever):
     ) -> torch.Tensor:
         return (queries.float() @ index["mean"].float().transpose(-1, -2)).amax(dim=2)
 
-    def arrange(self, keys: torch.Tensor, moved: torch.Tensor) -> torch.Tensor:
+    def arrange(self, keys: torch.Tensor, moved: torch.Tensor, prompt: torch.Tensor | None = None) -> torch.Tensor:
         order = torch.zeros(moved.shape, dtype=torch.long, device=moved.device)
         for b in range(moved.shape[0]):
             for h in range(moved.shape[1]):
