@@ -83,6 +83,26 @@ def test_the_slab_is_sized_by_the_budget_and_never_reallocated():
     assert max(max(s.used) for s in on.slab.slabs) <= share  # the policy evicted in place
 
 
+def test_a_share_ahead_of_the_decode_is_the_share_the_decode_reaches():
+    """`keep_allowed(layer, seen)` gives, without touching the layer, what a head may hold once
+    the decode has reached `seen` slots (padded rows: the tokens to come are real)."""
+    model = tiny_llama()
+    rows = [prompt(seed=2)[0].tolist(), prompt(seed=3)[0, :40].tolist()]
+    ids, mask = left_pad(rows, 0)
+    runner = Runner(model, KVCache(model, "pyramid(keydiff)", 0.4))
+    logits = runner.prefill(ids, mask)
+    cache = runner.cache
+    layer = cache.layers[1]
+    seen = layer.seen
+    ahead = cache.policy.shares.keep_allowed(layer, seen + 12)
+    assert layer.seen == seen and cache.seq.padding.shape[1] == seen  # nothing moved
+    for _ in range(12):
+        nxt = logits.argmax(-1, keepdim=True)
+        logits = runner.forward(nxt, torch.ones_like(nxt))
+    assert layer.seen == seen + 12
+    assert torch.equal(cache.policy.shares.keep_allowed(layer), ahead)
+
+
 def test_a_compiled_step_traces_once_and_answers_alike():
     """fullgraph=True: no break anywhere in a step; one graph for all steps (no shape changes)."""
     model = tiny_llama()

@@ -19,6 +19,10 @@ def test_engines_parse_from_the_command_line():
         Engine.parse("keydif@0.1")
     with pytest.raises(UserError):
         Engine.parse("keydiff@1.5")
+    with pytest.raises(UserError, match=r"unknown decoding mode ':compild'.*did you mean :compiled"):
+        Engine.parse("keydiff@0.125:compild")  # a misspelt mode, not a bad budget
+    with pytest.raises(UserError, match="use :slab or :compiled"):
+        Engine.parse("full:eager")
 
 
 def test_prompt_ids_are_seeded_and_in_the_vocabulary():

@@ -10,6 +10,7 @@ median is kept, so a slow spell of a shared machine hits every row alike.
 
 from __future__ import annotations
 
+import difflib
 import random
 import statistics
 from collections.abc import Callable
@@ -50,6 +51,11 @@ class Engine:
             return cls(next(b for b in BASELINES if b.lower() == text.lower()))
         mode = next((m for m in SLAB_MODES if text.endswith(f":{m}")), "cache")
         text = text.removesuffix(f":{mode}")
+        if ":" in text.rpartition("@")[2]:  # a mode this engine does not know (no stack spec holds a colon)
+            word = text.rpartition(":")[2]
+            close = difflib.get_close_matches(word, SLAB_MODES, n=1)
+            hint = f" (did you mean :{close[0]}?)" if close else ""
+            raise UserError(f"unknown decoding mode ':{word}' in {text}: use :{' or :'.join(SLAB_MODES)}{hint}")
         spec, at, budget = text.rpartition("@") if "@" in text else (text, "", "1.0")
         stack = Stack.parse(spec)
         parsed = Budget.parse(budget)

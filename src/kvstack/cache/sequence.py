@@ -22,10 +22,12 @@ class SequenceState:
     ids: torch.Tensor | None = None  # (b, slots) int32 each slot's token id, -1 unknown (kept for `s3`)
 
     def real_counts(self, seen: int, batch: int, since: int = 0, device: torch.device | None = None) -> torch.Tensor:
-        """(b,) real tokens among slots [since, seen)."""
+        """(b,) real tokens among slots [since, seen); slots past the padding's width are tokens
+        still to come, all real."""
         if self.padding is None:
             return torch.full((batch,), max(seen - since, 0), dtype=torch.long, device=device)
-        return self.padding[:, since:seen].sum(-1).long()
+        to_come = max(0, seen - max(since, self.padding.shape[1]))
+        return self.padding[:, since:seen].sum(-1).long() + to_come
 
     def token_index(self) -> torch.Tensor | None:
         """(b, slots) position of each slot among its sequence's real tokens, or None."""

@@ -108,25 +108,13 @@ class SlabCache(Cache):
     def _shares_at(self, seen: int) -> list[int]:
         """Per layer, the most tokens a head may hold after `seen` slots under the cache's policy
         (the budget's share then, or the whole context at budget 1.0)."""
-        cache = self.cache
-        padding = cache.seq.padding
-        if padding is not None:  # the tokens to come are real
-            cache.seq.padding = torch.cat([padding, padding.new_ones(padding.shape[0], seen - padding.shape[1])], 1)
-        try:
-            shares = []
-            for layer in cache.layers:
-                now, layer.seen = layer.seen, seen
-                try:
-                    if cache.stack.evictor is None or cache.budget.is_full:
-                        room = seen if layer.sliding_window is None else min(seen, layer.sliding_window - 1)
-                        shares.append(room)
-                    else:
-                        shares.append(int(cache.policy.shares.keep_allowed(layer).max()))
-                finally:
-                    layer.seen = now
-            return shares
-        finally:
-            cache.seq.padding = padding
+        cache, shares = self.cache, []
+        for layer in cache.layers:
+            if cache.stack.evictor is None or cache.budget.is_full:
+                shares.append(seen if layer.sliding_window is None else min(seen, layer.sliding_window - 1))
+            else:
+                shares.append(int(cache.policy.shares.keep_allowed(layer, seen).max()))
+        return shares
 
     def _fill(self, layer: CompressedLayer, share: int) -> SlabLayer:
         """A slab holding `layer`'s real tokens at the front of each head (padding places dropped),

@@ -47,21 +47,25 @@ class Shares:
         if self.planner is not None:
             self.planner.forget()
 
-    def keep_allowed(self, layer: CompressedLayer) -> torch.Tensor:
-        """(b, h) tokens each head may hold now under the budget (exempt tokens come on top).
+    def keep_allowed(self, layer: CompressedLayer, seen: int | None = None) -> torch.Tensor:
+        """(b, h) tokens each head may hold now (or after `seen` slots, the tokens to come real)
+        under the budget (exempt tokens come on top).
 
         Uniform across layers and heads, unless the stack's allocators weighed them: then the
-        same total is shared by `distribute` over every layer and head.
+        same total is shared by `distribute` over every layer and head. An `auto` plan answers
+        for the layer's own count of slots only.
         """
         b, h = layer.batch, layer.n_kv_heads
-        base, room, n_exempt = self.uniform(layer)
+        seen = layer.seen if seen is None else seen
+        base, room, n_exempt = self.uniform(layer, seen)
         keep = base.unsqueeze(1).expand(b, h)
         if self.planner is not None:
+            assert seen == layer.seen, "an auto plan's shares are for the layer's own slots"
             keep = self.planner.keep(self, layer)
         if self.stack.allocators:
             weights = self.allocation_weights()
             if weights is not None:
-                keep = self.allocation(layer.seen, weights)[layer.layer_idx]
+                keep = self.allocation(seen, weights)[layer.layer_idx]
         keep = torch.maximum(keep, torch.clamp(room, max=self.stack.min_tokens).unsqueeze(1))
         return keep + n_exempt.unsqueeze(1)
 
