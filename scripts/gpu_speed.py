@@ -25,7 +25,8 @@ from kvstack.bench.speed import Engine, measure, prompt_ids
 
 ENGINES = (
     "sdpa+DynamicCache,sdpa+StaticCache,full,snapkv@0.25,streaming@0.25,keydiff@0.125,kivi(bits=2),"
-    "keydiff+adaquant(residual=32)@0.125,full:compiled,snapkv@0.25:compiled"
+    "keydiff+adaquant(residual=32)@0.125,full:compiled,snapkv@0.25:compiled,"
+    "quest@0.0625,quest(store=disk)@0.0625"  # the slow tier pinned in host memory (the GPU default) and on disk
 )
 
 

@@ -15,7 +15,7 @@ from helpers import ids_of
 from kvstack.cache.cache import KVCache
 from kvstack.cache.layer import storage_bytes
 from kvstack.cache.stores import HostStore
-from kvstack.cache.tier import EMPTY_SLOT, Tier
+from kvstack.cache.tier import EMPTY_SLOT, NO_PAGE, Tier
 from kvstack.errors import UserError
 from kvstack.generate import Runner
 from kvstack.methods.retrieve.base import resident_share, top_entries
@@ -461,7 +461,7 @@ def test_a_host_memory_tier_reads_back_what_a_file_tier_does():
         moved = torch.rand(2, 2, t, generator=gen) < 0.7
         for tier in tiers.values():
             tier.append(keys, -keys, slots, moved)
-    pages = torch.tensor([[[0, 2, 5], [1, 3, 9]], [[4, 0, 1], [2, 2, 0]]])  # 9: past every head's pages
+    pages = torch.tensor([[[0, 2, 5], [1, 3, 9]], [[4, 0, 1], [2, 2, NO_PAGE]]])  # 9: past every head's pages
     disk, host = tiers["disk"], tiers["host"]
     assert isinstance(host.store, HostStore) and not host.store.pinned  # pinned only where CUDA is
     for a, b in [
@@ -473,6 +473,7 @@ def test_a_host_memory_tier_reads_back_what_a_file_tier_does():
         got, want = b.fetch(rows), a.fetch(rows)
         assert torch.equal(got.keys, want.keys) and torch.equal(got.values, want.values)
         assert torch.equal(got.slots, want.slots) and got.nbytes == want.nbytes
+        assert bool((got.slots[:, 1, -4:] == EMPTY_SLOT).all())  # page 9 and NO_PAGE bring back nothing
     store = HostStore()
     store.write(b"abcdef", (1 << 20) - 2)  # grows past its first megabyte
     first, second = bytearray(3), bytearray(5)

@@ -21,9 +21,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kvstack.cache.stores import open_store
+from kvstack.cache.stores import HostStore, open_store
 
 EMPTY_SLOT = -1
+NO_PAGE = 1 << 30  # a page index past any tier's pages: "bring back nothing" (it stays so as pages grow)
 SUMMARIES = ("lo", "hi", "mean", "slots")  # what a page's index entry may hold about its tokens
 
 
@@ -193,13 +194,32 @@ class Tier:
     # ---- reading ---------------------------------------------------------------------------
     def fetch(self, pages: torch.Tensor) -> Fetched:
         """Read pages (b, h, k) (indices; a page a head has not filled comes back empty) back
-        from the file: one `preadv` per page into one buffer, then views of it."""
+        from the store: from a file, one `preadv` per page into one buffer, then views of it;
+        from host memory, one gather of every page's record."""
         b, h, k = pages.shape
-        n = k * self.page
-        pin = self.store.pinned  # read into page-locked buffers: the copy to the GPU is a DMA
-        got = {name: torch.zeros(b, h, n, width, dtype=t, pin_memory=pin) for name, (t, width) in self.fields.items()}
-        views = {name: memoryview(t.view(torch.uint8).numpy()).cast("B") for name, t in got.items()}
         chosen, filled = pages.cpu(), self.pages
+        if isinstance(self.store, HostStore):
+            got, read = self._gather(chosen, filled)
+        else:
+            got, read = self._read(chosen, filled)
+        self.read_bytes += read
+        entry = chosen[..., None].long() * self.page + torch.arange(self.page)  # (b, h, k, page) entry numbers
+        unfilled = (entry >= self.count[..., None, None]).reshape(b, h, k * self.page)
+        slots = got["slots"].squeeze(-1)
+        slots.masked_fill_(unfilled, EMPTY_SLOT)  # entries past a head's count (a page in part, or none)
+        keys, values = got["keys"], got["values"]
+        if self.bits == 8:  # codes times their token's scale, in the model's dtype
+            keys = (keys.float() * got["key_scale"].float()).to(self.dtype)
+            values = (values.float() * got["value_scale"].float()).to(self.dtype)
+        return Fetched(keys, values, slots, read)
+
+    def _read(self, chosen: torch.Tensor, filled: torch.Tensor) -> tuple[dict[str, torch.Tensor], int]:
+        """Each field (b, h, k * page, width) of pages chosen (b, h, k) read from a file page by
+        page, and the bytes read."""
+        b, h, k = chosen.shape
+        n = k * self.page
+        got = {name: torch.zeros(b, h, n, width, dtype=t) for name, (t, width) in self.fields.items()}
+        views = {name: memoryview(t.view(torch.uint8).numpy()).cast("B") for name, t in got.items()}
         wanted, have = chosen.tolist(), filled.tolist()  # plain ints: indexing tensors per page costs more
         sizes = [(views[name], self.page * self.field_bytes[name]) for name in self.fields]
         record, read, row = self.record_bytes, 0, 0
@@ -211,16 +231,28 @@ class Tier:
                         parts = [view[row * size : (row + 1) * size] for view, size in sizes]
                         read += self.store.readv(parts, (p * b * h + base) * record)
                     row += 1
-        self.read_bytes += read
-        entry = chosen[..., None] * self.page + torch.arange(self.page)  # (b, h, k, page) entry numbers
-        unfilled = (entry >= self.count[..., None, None]).reshape(b, h, n)
-        slots = got["slots"].squeeze(-1)
-        slots.masked_fill_(unfilled, EMPTY_SLOT)  # entries past a head's count (a page in part, or none)
-        keys, values = got["keys"], got["values"]
-        if self.bits == 8:  # codes times their token's scale, in the model's dtype
-            keys = (keys.float() * got["key_scale"].float()).to(self.dtype)
-            values = (values.float() * got["value_scale"].float()).to(self.dtype)
-        return Fetched(keys, values, slots, read)
+        return got, read
+
+    def _gather(self, chosen: torch.Tensor, filled: torch.Tensor) -> tuple[dict[str, torch.Tensor], int]:
+        """Each field (b, h, k * page, width) of pages chosen (b, h, k) gathered from host memory
+        in one index (into page-locked memory where the store is pinned), and the bytes read."""
+        b, h, k = chosen.shape
+        store, record = self.store, self.record_bytes
+        assert isinstance(store, HostStore)
+        head = torch.arange(b * h).view(b, h, 1)
+        ids = chosen.long() * (b * h) + head  # (b, h, k) record numbers ((p * B + b) * H + h)
+        real = chosen.long() < filled[..., None]  # pages the head has filled
+        rows = store.records(torch.where(real, ids, 0).flatten(), record)  # (b * h * k, record)
+        rows.index_fill_(0, (~real).flatten().nonzero().squeeze(-1), 0)
+        got, at = {}, 0
+        for name, (dtype, width) in self.fields.items():
+            size = self.page * self.field_bytes[name]
+            field = torch.empty(len(rows), size, dtype=torch.uint8, pin_memory=store.pinned)
+            field.copy_(rows[:, at : at + size])
+            got[name] = field.view(dtype).view(b, h, k * self.page, width)
+            at += size
+        starts = (ids[real] * record).clamp(max=store.size)  # as a file reads: short where the writes stop
+        return got, int(((starts + record).clamp(max=store.size) - starts).sum())
 
     def page_valid(self) -> torch.Tensor:
         """(b, h, P) True for pages a head has filled (on the index's device)."""

@@ -16,7 +16,7 @@ import torch
 from kvstack.cache.budget import Budget
 from kvstack.cache.compensation import compensation_mask, fold
 from kvstack.cache.statistics import PROMPT_PASSES
-from kvstack.cache.tier import EMPTY_SLOT, Fetched, Tier, summary_bytes
+from kvstack.cache.tier import EMPTY_SLOT, NO_PAGE, Fetched, Tier, summary_bytes
 from kvstack.errors import UserError
 from kvstack.methods.base import Method, Observation, decode_block, recent_mask
 from kvstack.methods.merge.base import merge_states
@@ -224,8 +224,8 @@ class Policy:
         self, layer: CompressedLayer, grouped: torch.Tensor, text: torch.Tensor | None, pages: torch.Tensor, k: int
     ) -> torch.Tensor:
         """(b, h, k) int32 the pages of `layer`'s tier its retriever chooses for queries grouped
-        (b, h, g*q, d) by KV head, each row its `pages` (b,) best at most (an index past the
-        tier's pages: no page)."""
+        (b, h, g*q, d) by KV head, each row its `pages` (b,) best at most (`NO_PAGE`: none; a
+        remembered choice keeps meaning none as the tier grows)."""
         tier, retriever = layer.tier, self.stack.retriever
         valid = tier.page_valid()
         ranks = retriever.rank(grouped, tier.index, text).masked_fill(~valid, float("-inf"))
@@ -236,8 +236,9 @@ class Policy:
             place = torch.sort(ranks, dim=-1, descending=True, stable=True).indices.argsort(-1)  # (b, h, P)
             ranks = ranks.masked_fill(place >= pages.to(ranks.device)[:, None, None], float("-inf"))
         chosen = retriever.choose(ranks, k)
-        unranked = ranks.gather(-1, chosen.clamp(max=ranks.shape[-1] - 1)) == float("-inf")
-        return chosen.masked_fill(unranked, ranks.shape[-1]).to(torch.int32).cpu()
+        n_pages = ranks.shape[-1]
+        none = (chosen >= n_pages) | (ranks.gather(-1, chosen.clamp(max=n_pages - 1)) == float("-inf"))
+        return chosen.masked_fill(none, NO_PAGE).to(torch.int32).cpu()
 
     @cached_property
     def shares_only_grow(self) -> bool:
