@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from kvstack.cache.cache import KVCache
 from kvstack.cache.encoded import Uniform, Where, gather_rows, minmax
-from kvstack.cache.packing import BIT_WIDTHS, pack, packed_size, unpack, unpack_float
+from kvstack.cache.packing import BIT_WIDTHS, chunk_table, lookup, pack, packed_size, unpack, unpack_float
 from kvstack.errors import UserError
 from kvstack.generate import Runner
 from kvstack.methods.quantize.cq import CodebookCodec
@@ -47,7 +47,25 @@ def prompt(n, seed=0):
 
 
 # ---- packing ----------------------------------------------------------------------------------
+def test_three_bit_codes_are_a_little_endian_bit_stream_by_hand():
+    # codes 1..7, 0 at bits 3i..3i+2: 1 + 2<<3 + 3<<6 + 4<<9 + 5<<12 + 6<<15 + 7<<18 = 2054353 = 0x1F58D1
+    codes = torch.tensor([1, 2, 3, 4, 5, 6, 7, 0], dtype=torch.uint8)
+    assert pack(codes, 3).tolist() == [0xD1, 0x58, 0x1F]
+    assert unpack(torch.tensor([0xD1, 0x58, 0x1F], dtype=torch.uint8), 3, 8).tolist() == codes.tolist()
+    assert unpack(torch.tensor([0xD1, 0x58], dtype=torch.uint8), 3, 5).tolist() == [1, 2, 3, 4, 5]  # a row cut short
+
+
 @settings(max_examples=60, deadline=None)
+@given(st.sampled_from(BIT_WIDTHS), st.integers(1, 3), st.integers(1, 70), st.integers(0, 2**31 - 1))
+def test_a_table_lookup_of_packed_codes_reads_their_levels(bits, rows, n, seed):
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 2**bits, (rows, n), generator=g)
+    levels = torch.randn(2**bits, generator=g)
+    out = lookup(pack(codes, bits), bits, n, chunk_table(levels, bits))
+    assert out.shape == (rows, n) and torch.equal(out, levels[codes])
+
+
+@settings(max_examples=200, deadline=None)
 @given(st.sampled_from(BIT_WIDTHS), st.integers(1, 3), st.integers(1, 70), st.integers(0, 2**31 - 1))
 def test_pack_unpack_round_trips_exactly(bits, rows, n, seed):
     g = torch.Generator().manual_seed(seed)

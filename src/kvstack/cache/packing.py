@@ -1,7 +1,9 @@
 """Bit packing: integer codes below 2**bits stored `8 / bits` to a byte, so memory really drops.
 
 Pure functions on uint8 tensors. Widths that divide 8 (1, 2, 4, 8) pack with shifts; 3 bits
-packs eight codes into three bytes through bit planes. The last axis is packed.
+packs eight codes into three bytes through bit planes: code i holds bits 3i..3i+2 of the row's
+little-endian bit stream, so each three bytes read as one 24-bit word give eight codes by
+shifts (`unpack`). The last axis is packed.
 """
 
 from __future__ import annotations
@@ -59,6 +61,15 @@ def unpack(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
         shifts = torch.arange(0, 8, bits, device=packed.device, dtype=torch.uint8)
         codes = (packed.unsqueeze(-1) >> shifts) & mask
         return codes.reshape(*packed.shape[:-1], -1)[..., :n]
+    if bits == 3:  # eight codes per three bytes: one 24-bit word, eight shifts
+        pad = (-packed.shape[-1]) % 3
+        if pad:
+            packed = torch.cat([packed, packed.new_zeros(*packed.shape[:-1], pad)], dim=-1)
+        b = packed.reshape(*packed.shape[:-1], -1, 3).to(torch.int32)
+        word = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16)  # (..., bytes / 3)
+        shifts = torch.arange(0, 24, 3, device=packed.device, dtype=torch.int32)
+        codes = (word.unsqueeze(-1) >> shifts) & mask  # (..., bytes / 3, 8)
+        return codes.reshape(*packed.shape[:-1], -1)[..., :n].to(torch.uint8)
     as_int = packed.to(torch.int32)
     flat = ((as_int.unsqueeze(-1) >> torch.arange(8, device=packed.device, dtype=torch.int32)) & 1).reshape(
         *packed.shape[:-1], -1
@@ -101,3 +112,34 @@ def unpack_float(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
         ).float()
     codes = torch.nn.functional.embedding(packed.int(), table)  # (..., bytes, 8 // bits)
     return codes.reshape(*packed.shape[:-1], width * 8 // bits)[..., :n]
+
+
+def chunk_bits(bits: int) -> int:
+    """Bits read per table lookup by `lookup`: whole codes, 12 for 3-bit codes (four per lookup,
+    two per 24-bit word), else a byte."""
+    return 12 if bits == 3 else 8
+
+
+def chunk_table(levels: torch.Tensor, bits: int) -> torch.Tensor:
+    """(2^c, c / bits) float32: for every chunk of c = `chunk_bits` bits, the levels (2^bits,) of
+    its codes in order, so `lookup` turns packed codes into values with one gather per chunk."""
+    c = chunk_bits(bits)
+    shifts = torch.arange(0, c, bits, device=levels.device)
+    codes = (torch.arange(2**c, device=levels.device)[:, None] >> shifts) & ((1 << bits) - 1)
+    return levels.float()[codes]
+
+
+def lookup(packed: torch.Tensor, bits: int, n: int, table: torch.Tensor) -> torch.Tensor:
+    """levels[unpack(packed, bits, n)] as (..., n) float32, from `chunk_table(levels, bits)`: each
+    chunk of whole codes indexes the table once (no per-code index tensor, no separate gather)."""
+    if bits == 3:
+        pad = (-packed.shape[-1]) % 3
+        if pad:
+            packed = torch.cat([packed, packed.new_zeros(*packed.shape[:-1], pad)], dim=-1)
+        b = packed.reshape(*packed.shape[:-1], -1, 3).to(torch.int32)
+        word = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16)  # (..., bytes / 3): eight codes
+        index = torch.stack([word & 0xFFF, word >> 12], dim=-1)  # (..., bytes / 3, 2): four codes each
+    else:
+        index = packed.int()  # a byte: 8 / bits codes (one at 8 bits)
+    values = torch.nn.functional.embedding(index, table)
+    return values.reshape(*packed.shape[:-1], -1)[..., :n]

@@ -6,6 +6,6 @@ induction scores, HeadKV's retrieval scores, CoKV's Sliced Shapley values), all 
 random-token prompts, so no data set or tokenizer is needed.
 """
 
-from kvstack.calibrate.store import calibrated, calibration_dir, forget, model_key
+from kvstack.calibrate.store import calibrated, calibration_dir, forget, measured_on, model_key
 
-__all__ = ["calibrated", "calibration_dir", "forget", "model_key"]
+__all__ = ["calibrated", "calibration_dir", "forget", "measured_on", "model_key"]

@@ -95,6 +95,14 @@ def calibrated(model: Any, kind: str, compute: Callable[[Any], torch.Tensor]) ->
     return table
 
 
+def measured_on(model: Any, kind: str, compute: Callable[[Any], torch.Tensor], what: str) -> torch.Tensor:
+    """`calibrated` for a stage that measures `what` on the model; a cache built from a bare config
+    (nothing to measure) is refused in one line that says to build it from the model."""
+    if not hasattr(model, "config"):
+        raise UserError(f"{what}: build the KVCache from the model (KVCache(model, ...)), not from its config")
+    return calibrated(model, kind, compute)
+
+
 def shipped(key: str, kind: str, folder: Path | None = None) -> torch.Tensor | None:
     """The table `kind` shipped for the model `key`, or None when none ships; a file that is not
     the table it is named for (format, model, kind, bytes) is refused with a `UserError`."""

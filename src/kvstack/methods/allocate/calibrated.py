@@ -37,14 +37,9 @@ class Calibrated(Allocator):
 
     def prepare(self, model: Any) -> torch.Tensor:
         """The table of `model`, measured or loaded from disk; called by KVCache.__init__."""
-        from kvstack.calibrate import calibrated
+        from kvstack.calibrate import measured_on
 
-        if not hasattr(model, "config"):
-            raise UserError(
-                f"{self.name} calibrates the model's attention heads: build the KVCache from the model "
-                "(KVCache(model, ...)), not from its config"
-            )
-        return calibrated(model, self.kind, self.measure)
+        return measured_on(model, self.kind, self.measure, f"{self.name} calibrates the model's attention heads")
 
     def weights(self, plan: Plan) -> torch.Tensor:
         table = plan.calibration.get(self.kind)

@@ -48,6 +48,11 @@ class Projection(Codec):
     def tables(self, where: Where) -> dict[str, torch.Tensor]:
         return {"axes": self.axes[where.layer][where.head], "mean": self.means[where.layer][where.head]}
 
+    def basis(self) -> torch.Tensor | None:
+        """(d, d) float32 R when the coefficients are x @ R for one orthogonal R (a rotation: attention
+        reads them as they are, its query turned); None for fitted axes and means (they decode)."""
+        return None
+
     def encode(self, x: torch.Tensor, where: Where) -> Encoded:
         tokens = {"coeff": self.project(x, where)}
         return Encoded(self, x.shape[1], x.shape[-1], x.dtype, where, tokens, {}, self.tables(where))
@@ -86,10 +91,10 @@ class Then(Codec):
         return self.outer.restore(self.inner.decode(self._inner_view(enc)), enc.where, enc.dtype)
 
     def decode_turned(self, enc: Encoded, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
-        basis = getattr(self.outer, "basis", None)  # a rotation (`hadamard`): the coefficients as they are
+        basis = self.outer.basis()  # a rotation (`hadamard`): the coefficients as they are
         if basis is None:
             return None
-        return self.inner.decode_as(self._inner_view(enc), dtype), basis()
+        return self.inner.decode_as(self._inner_view(enc), dtype), basis
 
     def _inner_view(self, enc: Encoded) -> Encoded:
         tables = self.outer.tables(enc.where)
@@ -148,13 +153,12 @@ def principal_axes(states: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Ten
 def fitted_axes(model: Any, samples: int, tokens: int) -> torch.Tensor:
     """`principal_axes` of the keys and values the model produces on calibration text, measured
     once per model and saved (`kvstack.calibrate`), returned in the model's dtype."""
-    from kvstack.calibrate import calibrated
+    from kvstack.calibrate import measured_on
     from kvstack.calibrate.prose import calibration_states
 
-    if not hasattr(model, "config"):
-        raise UserError("a projection is fitted on the model: build the KVCache from the model, not its config")
     kind = f"pca-{samples}x{tokens}-v1"
-    table = calibrated(model, kind, lambda m: principal_axes(calibration_states(m, samples, tokens)))
+    fit = lambda m: principal_axes(calibration_states(m, samples, tokens))  # noqa: E731
+    table = measured_on(model, kind, fit, "a projection is fitted on the model")
     return table.to(getattr(model, "dtype", torch.float32))
 
 

@@ -107,11 +107,9 @@ class Cq(Quantizer):
         return f"cq-{self.bits}b{self.channels}c-{self.samples}x{self.tokens}-v1"
 
     def prepare(self, model: Any) -> torch.Tensor:
-        from kvstack.calibrate import calibrated
+        from kvstack.calibrate import measured_on
 
-        if not hasattr(model, "config"):
-            raise UserError("cq learns codebooks on the model: build the KVCache from the model, not its config")
-        return calibrated(model, self.kind, self.learn)
+        return measured_on(model, self.kind, self.learn, "cq learns codebooks on the model")
 
     def codecs(self, table: torch.Tensor | None = None) -> tuple[Codec, Codec]:
         if table is None:

@@ -15,6 +15,7 @@ product per token, blk the largest power of two dividing d), which keeps the mod
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -48,14 +49,21 @@ class Rotation(Projection):
         return {"signs": self.signs}
 
     def basis(self) -> torch.Tensor:
-        """(d, d) float32 R: coefficients are x @ R, tokens are coefficients @ R^T."""
-        return matrix(self.signs.float())
+        """(d, d) float32 R: coefficients are x @ R, tokens are coefficients @ R^T (built once)."""
+        basis = _BASES.get(self)
+        if basis is None or basis.device != self.signs.device:
+            basis = _BASES[self] = matrix(self.signs.float())
+        return basis
 
     def decode_turned(self, enc: Encoded, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
         return enc.tokens["coeff"].to(dtype), self.basis()
 
     def fixed_bytes(self, dim: int) -> int:
         return dim * self.itemsize
+
+
+# Each rotation's basis, kept beside the codec, not in it: a saved cache writes a codec's fields.
+_BASES: weakref.WeakKeyDictionary[Rotation, torch.Tensor] = weakref.WeakKeyDictionary()
 
 
 @register

@@ -166,11 +166,10 @@ class KVQuant(Quantizer):
         return f"kvquant-{self.bits}b-{self.outliers:g}-{self.samples}x{self.tokens}-v1"
 
     def prepare(self, model: Any) -> torch.Tensor:
-        from kvstack.calibrate import calibrated
+        from kvstack.calibrate import measured_on
 
-        if not hasattr(model, "config"):
-            raise UserError("kvquant fits its levels on the model: build the KVCache from the model, not its config")
-        return calibrated(model, self.kind, self.learn).to(getattr(model, "dtype", torch.float32))
+        table = measured_on(model, self.kind, self.learn, "kvquant fits its levels on the model")
+        return table.to(getattr(model, "dtype", torch.float32))
 
     def codecs(self, table: torch.Tensor | None = None) -> tuple[Codec, Codec]:
         if table is None:

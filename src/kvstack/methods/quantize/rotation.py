@@ -41,8 +41,10 @@ def hadamard(n: int, device: torch.device | str = "cpu") -> torch.Tensor:
     return _ON_DEVICE[key]
 
 
+@cache
 def random_signs(d: int, seed: int) -> torch.Tensor:
-    """(d,) float32 of +1 / -1, the same for the same (d, seed)."""
+    """(d,) float32 of +1 / -1, the same for the same (d, seed); memoised (codecs ask at every read),
+    so callers must not write into it."""
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(0, 2, (d,), generator=gen).float() * 2 - 1
 
@@ -69,3 +71,15 @@ def matrix(signs: torch.Tensor) -> torch.Tensor:
     """(d, d) float32 R with rotate(x) = x @ R (orthogonal: x = rotate(x) @ R^T)."""
     d = signs.shape[0]
     return rotate(torch.eye(d, device=signs.device), signs)
+
+
+_MATRICES: dict[tuple[int, int, torch.device], torch.Tensor] = {}
+
+
+def seeded_matrix(d: int, seed: int, device: torch.device) -> torch.Tensor:
+    """`matrix(random_signs(d, seed))` on `device`, built once per (d, seed, device): a rotated-basis
+    read asks for it at every decoding step of every head."""
+    key = (d, seed, torch.device(device))
+    if key not in _MATRICES:
+        _MATRICES[key] = matrix(random_signs(d, seed).to(device))
+    return _MATRICES[key]

@@ -27,9 +27,9 @@ from functools import cache
 import torch
 
 from kvstack.cache.encoded import META_DTYPE, Codec, Encoded, Where
-from kvstack.cache.packing import check_bits, pack, packed_size, unpack, unpack_float
+from kvstack.cache.packing import check_bits, chunk_table, lookup, pack, packed_size, unpack_float
 from kvstack.methods.quantize.base import Quantizer
-from kvstack.methods.quantize.rotation import matrix, random_signs, rotate, unrotate
+from kvstack.methods.quantize.rotation import random_signs, rotate, seeded_matrix, unrotate
 from kvstack.methods.registry import register
 
 GRID = 32_000  # points of the density's grid, none at 0 (levels settle to ~1e-4 of the range)
@@ -59,10 +59,16 @@ def sphere_levels(d: int, bits: int) -> torch.Tensor:
     return ((levels - levels.flip(0)) / 2).float()  # the law is symmetric: so are its levels
 
 
+_QJL: dict[tuple[int, int, torch.device], torch.Tensor] = {}
+
+
 def qjl_matrix(d: int, seed: int, device: torch.device) -> torch.Tensor:
-    """(d, d) float32 Gaussian S of QJL, the same for the same (d, seed)."""
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randn(d, d, generator=gen).to(device)
+    """(d, d) float32 Gaussian S of QJL, the same for the same (d, seed); built once per device."""
+    key = (d, seed, torch.device(device))
+    if key not in _QJL:
+        gen = torch.Generator().manual_seed(seed)
+        _QJL[key] = torch.randn(d, d, generator=gen).to(device)
+    return _QJL[key]
 
 
 def qjl_estimate(signs: torch.Tensor, norm: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
@@ -82,6 +88,9 @@ def nearest_level(y: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
     for bound in bounds.tolist():
         codes += y > bound
     return codes.long()
+
+
+_TABLES: dict[tuple[int, int, torch.device], torch.Tensor] = {}
 
 
 class TurboCodec(Codec):
@@ -106,6 +115,13 @@ class TurboCodec(Codec):
 
     def _levels(self, d: int, device: torch.device) -> torch.Tensor:
         return sphere_levels(d, self.mse_bits).to(device)
+
+    def _table(self, d: int, device: torch.device) -> torch.Tensor:
+        """`chunk_table` of the levels, built once per (d, bits, device): read at every step."""
+        key = (d, self.mse_bits, torch.device(device))
+        if key not in _TABLES:
+            _TABLES[key] = chunk_table(self._levels(d, device), self.mse_bits)
+        return _TABLES[key]
 
     def encode(self, x: torch.Tensor, where: Where) -> Encoded:
         b, n, d = x.shape
@@ -135,8 +151,7 @@ class TurboCodec(Codec):
     def _turned(self, enc: Encoded) -> torch.Tensor:
         """(b, n, d) float32 the tokens on the rotated basis, less their run's mean: y |x - mean|."""
         d, device = enc.dim, enc.tokens["codes"].device
-        levels = self._levels(d, device)
-        y = levels[unpack(enc.tokens["codes"], self.mse_bits, d).long()]  # (b, n, d)
+        y = lookup(enc.tokens["codes"], self.mse_bits, d, self._table(d, device))  # (b, n, d) levels
         if self.qjl:
             signs = unpack_float(enc.tokens["qjl"], 1, d) * 2 - 1
             s = qjl_matrix(d, self.seed + 1, device)
@@ -153,7 +168,7 @@ class TurboCodec(Codec):
         if self.center:  # a mean per run is not on the rotated basis
             return None
         y = self._turned(enc)
-        return y.to(dtype), matrix(random_signs(enc.dim, self.seed).to(y.device))
+        return y.to(dtype), seeded_matrix(enc.dim, self.seed, y.device)
 
     def token_bytes(self, dim: int) -> float:
         extra = packed_size(dim, 1) + META_DTYPE.itemsize if self.qjl else 0
