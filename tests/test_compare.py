@@ -151,3 +151,33 @@ def test_piped_into_a_file_a_row_stays_on_one_line(tmp_path):
     )
     assert done.returncode == 0, done.stderr
     assert any(long in line and "+1.000" in line for line in done.stdout.splitlines())
+
+
+def test_against_a_named_stack_quantizers_alone_compare_at_budget_one(tmp_path):
+    data = (
+        rows("turboquant(bits=2)", "1", "qa", [1] * 8 + [0] * 2)
+        + rows("kivi(bits=2)", "1", "qa", [0] * 10)
+        + rows("hadamard+kivi(bits=2)", "1", "qa", [1] * 10)  # better, but not the one named
+        + rows("full", "1", "qa", [1] * 10)
+    )
+    assert compare(data, "turboquant(bits=2)") == []  # budget 1 is the full cache's, unless a rival is named
+    (c,) = compare(data, "turboquant(bits=2)", against="kivi(bits=2)")
+    assert (c.budget, c.rival, c.pairs, c.score, c.rival_score) == ("1", "kivi(bits=2)", 10, 0.8, 0.0)
+    assert c.verdict == "better"
+    store = Store(tmp_path / "results.sqlite")
+    for r in data:
+        store.add(
+            Row(Cell("m", r["method"], r["budget"], "agnostic", r["task"], 2048), r["sample"], 0, r["score"], "", ())
+        )
+    store.close()
+    result = CliRunner().invoke(app, ["compare", str(tmp_path), "--method", "turboquant(bits=2)"])
+    assert result.exit_code == 2 and "--against" in result.stderr and "Traceback" not in result.stderr
+    result = CliRunner().invoke(
+        app,
+        ["compare", str(tmp_path), "--method", "turboquant(bits=2)", "--against", "kivi(bits=2)"],
+        terminal_width=200,
+    )
+    assert result.exit_code == 0, result.stderr
+    assert "better" in result.stdout and "+0.800" in result.stdout
+    result = CliRunner().invoke(app, ["compare", str(tmp_path), "--method", "turboquant(bits=2)", "--against", "kiv"])
+    assert result.exit_code == 2 and "did you mean" in result.stderr

@@ -289,7 +289,8 @@ def bench(
         str,
         typer.Option(
             help="agnostic (context compressed before the question), aware; for --tasks reuse also kvlink, "
-            "concat, kvlink+link, kvlink+sink, relay, kvcomm (documents cached apart, then joined)"
+            "concat, kvlink+link, kvlink+sink, relay, kvcomm (documents cached apart, then joined); with "
+            "options: relay(tokens=64), kvlink(link=128,sink=4)"
         ),
     ] = "agnostic",
     samples: Annotated[int, typer.Option(help="samples per task and length (same seeds for every method)")] = 20,
@@ -528,12 +529,16 @@ def compare(
     out_dir: Annotated[Path, typer.Argument(help="a folder written by `kvstack bench`")],
     method: Annotated[str, typer.Option(help="the stack to compare, as the sweep names it")] = "auto",
     over: Annotated[bool, typer.Option("--over-budget", help="rivals may hold more bytes than the budget")] = False,
+    against: Annotated[
+        str | None, typer.Option(help="compare with this stack only (budget 1 included: quantizers alone)")
+    ] = None,
 ) -> None:
     """Per budget, METHOD against the best other stack of the sweep: mean over every task, the
     difference and its 95% paired bootstrap interval (same questions, resampled); then against
-    the stack chosen on the other half of the samples, as a user picks one without the answers."""
+    the stack chosen on the other half of the samples, as a user picks one without the answers.
+    With --against, against that stack only."""
     try:
-        tables = _compare_tables(out_dir, method, not over)
+        tables = _compare_tables(out_dir, method, not over, against)
     except UserError as e:
         _fail(str(e))
         return
@@ -541,7 +546,7 @@ def compare(
         out.print(table)
 
 
-def _compare_tables(out_dir: Path, method: str, within: bool) -> list[Table | str]:
+def _compare_tables(out_dir: Path, method: str, within: bool, against: str | None = None) -> list[Table | str]:
     """Per group of the sweep, a table of `method` against the best other stack at each budget, one
     against the stack chosen on the other half of the samples, and a note where rows come from
     different machines."""
@@ -554,12 +559,16 @@ def _compare_tables(out_dir: Path, method: str, within: bool) -> list[Table | st
     names = sorted({r["method"] for r in rows})
     if not names:
         raise UserError(f"{out_dir} holds no answers yet: run `kvstack bench --out {out_dir}` first")
-    if method not in names:
-        raise unknown_name("method in this sweep", method, names)
-    found = comparisons(rows, method, within)
+    for name in (method, against):
+        if name is not None and name not in names:
+            raise unknown_name("method in this sweep", name, names)
+    found = comparisons(rows, method, within, against=against)
     if not found:
-        raise UserError(f"{method} has no budget where another stack answered the same questions: run both")
-    fair = comparisons(rows, method, within, held_out=True)
+        alone = "" if against else " (a stack alone at budget 1, a quantizer: name its rival with --against)"
+        raise UserError(
+            f"{method} has no budget where {against or 'another stack'} answered the same questions: run both{alone}"
+        )
+    fair = [] if against else comparisons(rows, method, within, held_out=True)
     tables = []
     for group in sorted({c.group for c in found}):
         model, mode, length = group
@@ -568,11 +577,16 @@ def _compare_tables(out_dir: Path, method: str, within: bool) -> list[Table | st
             if not mine:
                 continue
             tasks = ", ".join(mine[0].tasks)
-            rival = "the stack best on the other half of the samples" if held_out else "the best other stack"
+            rival = "the stack best on the other half of the samples" if held_out else against or "the best other stack"
             title = f"{model}, {tokens_label(length)}, {mode_label(mode)}: {method} against {rival}"
             table = Table(title=f"{title}{' within the budget' if within else ''} (mean over {tasks})")
             tables.append(
-                _comparison_table(table, method, mine, "chosen on the other half" if held_out else "best other")
+                _comparison_table(
+                    table,
+                    method,
+                    mine,
+                    "chosen on the other half" if held_out else "rival" if against else "best other",
+                )
             )
         mixed = [c for c in found + fair if c.group == group and len(c.machines) > 1]
         if mixed:

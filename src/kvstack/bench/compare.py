@@ -85,13 +85,19 @@ def interval(pairs: Pairs, draws: int = DRAWS, seed: int = 0) -> tuple[float, fl
 
 
 def compare(
-    rows: Iterable[dict[str, Any]], method: str, within: bool = True, held_out: bool = False
+    rows: Iterable[dict[str, Any]],
+    method: str,
+    within: bool = True,
+    held_out: bool = False,
+    against: str | None = None,
 ) -> list[Comparison]:
     """Per group and budget where `method` ran, it against the other stack (not the full cache,
     nor the method with other settings: `auto(validate=0)` is no rival to `auto`) with the best
     mean over the tasks both ran on every question; with `within`, only stacks whose context
     bytes fit the budget (the fidelity rows' kv_ratio, when the sweep has them); with
-    `held_out`, the best on the other half of the samples (`cross_fitted`)."""
+    `held_out`, the best on the other half of the samples (`cross_fitted`). With `against`, that
+    stack is the only rival, at budget 1 too (where quantizers alone run; otherwise a budget of 1
+    is every eviction stack's full cache, and skipped)."""
     scores: dict[Key, dict[str, Scores]] = defaultdict(lambda: defaultdict(lambda: defaultdict(dict)))
     ratios: dict[tuple[Key, str, str], list[float]] = defaultdict(list)
     machines: dict[tuple[Key, str, str], set[str]] = defaultdict(set)
@@ -105,10 +111,13 @@ def compare(
     for group in sorted(scores):
         for budget, cells in sorted(scores[group].items(), key=lambda kv: -_fraction(kv[0])):
             tasks = tuple(sorted({task for stack, task in cells if stack == method}))
-            if not tasks or budget == "1":
+            if not tasks or (budget == "1" and against is None):
                 continue
             rivals = []
             for rival in sorted({stack for stack, _ in cells} - {method, "full"}):
+                if against is not None:
+                    rivals += [rival] if rival == against else []
+                    continue
                 held = ratios.get((group, budget, rival))
                 fat = within and held and max(held) > _fraction(budget) * 1.001
                 if not rival.startswith(f"{method}(") and not fat:
