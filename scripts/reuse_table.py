@@ -27,7 +27,8 @@ def main() -> None:
     for method, budget, mode, question, *rest in rows:
         cells.setdefault((method, budget, mode), []).append((question, *rest))
     for method, budget in sorted({(m, b) for m, b, _ in cells}, key=lambda x: (x[0] != "full", x)):
-        for mode in ORDER:
+        others = sorted({m for mb, bb, m in cells if (mb, bb) == (method, budget)} - set(ORDER))  # relay(tokens=64)
+        for mode in ORDER + others:
             got = cells.get((method, budget, mode))
             if not got:
                 continue

@@ -260,11 +260,11 @@ def test_the_reuse_task_joins_documents_cached_once_per_config(lm, tmp_path, mon
     calls = []
     compress = runner.compress_ids
     monkeypatch.setattr(runner, "compress_ids", lambda *a, **k: calls.append(1) or compress(*a, **k))
-    modes = ("agnostic", "kvlink", "concat", "kvlink+link", "kvlink+sink", "relay", "kvcomm")
+    modes = ("agnostic", "kvlink", "concat", "kvlink+link", "kvlink+sink", "relay", "kvcomm", "kvlink(link=16)")
     sweep = Sweep("tiny", ("snapkv(window_size=4, every=4)",), ("0.5",), ("reuse",), (600,), modes, samples=1)
     store = Store(tmp_path / "results.sqlite")
     assert run_sweep(lm, sweep, store) == 2 * 2 * len(modes)  # (full, snapkv) x 2 questions x modes
-    # 2 configs x 4 documents, for 2 questions x 5 joins; and the later 3 again with the sink ahead
+    # 2 configs x 4 documents, for 2 questions x 6 joins; and the later 3 again with the sink ahead
     assert len(calls) == 2 * 4 + 2 * 3
     rows = list(store.rows())
     assert {r["mode"] for r in rows} == set(modes)
@@ -274,10 +274,33 @@ def test_the_reuse_task_joins_documents_cached_once_per_config(lm, tmp_path, mon
     assert max(tokens.values()) - min(tokens.values()) <= 0.02 * tokens["agnostic"]
     ratio = {(r["mode"], r["question"]): r["kv_ratio"] for r in rows if r["method"] != "full"}
     for (mode, q), value in ratio.items():  # each document held at its budget; recomputed tokens kept whole
-        recomputed = {"kvlink+link": 3 * 8, "relay": 3 * 16}.get(mode, 0) / (600 - 96)
+        recomputed = {"kvlink+link": 3 * 8, "relay": 3 * 16, "kvlink(link=16)": 3 * 16}.get(mode, 0) / (600 - 96)
         assert value == pytest.approx(ratio[("agnostic", q)], abs=0.02 + recomputed)
 
 
 def test_join_modes_need_the_reuse_task():
     with pytest.raises(UserError, match="--tasks reuse"):
         Sweep("tiny", ("knorm",), ("0.5",), ("niah_single",), (400,), ("kvlink",))
+    with pytest.raises(UserError, match="--tasks reuse"):
+        Sweep("tiny", ("knorm",), ("0.5",), ("niah_single",), (400,), ("relay(tokens=64)",))
+
+
+def test_join_modes_take_options_and_bad_ones_are_one_line():
+    from kvstack.bench.joins import is_join, join_arguments, join_options
+
+    assert join_options("agnostic") is None and not is_join("aware")
+    assert join_arguments("relay") == {"reencode": True, "relay": 16}
+    assert join_arguments("relay(tokens=64)") == {"reencode": True, "relay": 64}  # RelayCaching's own word
+    assert join_arguments("kvlink(link=128, sink=4)") == {"reencode": True, "link": 128, "sink": 4}
+    assert join_arguments("kvlink(reencode=0)") == join_arguments("concat") == {"reencode": False}
+    assert join_options("kvcomm") == {}
+    for bad, words in (
+        ("kvlnk", "did you mean kvlink"),
+        ("kvlink(links=4)", "unknown option 'links'"),
+        ("kvcomm(link=4)", "options of kvcomm: none"),
+        ("relay(tokens=-1)", "whole number"),
+        ("relay(tokens=x)", "whole number"),
+        ("agnostic(link=2)", "did you mean agnostic"),
+    ):
+        with pytest.raises(UserError, match=words):
+            join_options(bad)

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from kvstack.bench.joins import is_join, join_arguments
 from kvstack.bench.score import digit_partial, string_match_all
 from kvstack.bench.store import Cell, Row, Store
 from kvstack.bench.tasks.custom import OWN_LENGTH, load_task_file
@@ -47,16 +48,6 @@ if TYPE_CHECKING:
 
 RIVALS = ("kvpress",)
 PROMPT_ROOM = 96  # tokens of a target length left for the question, chat template and answer prefix
-# documents cached apart and joined per question (the reuse task), by how they are joined
-JOINS: dict[str, dict[str, Any]] = {
-    "kvlink": {"reencode": True},  # KVLink: positions re-encoded
-    "concat": {"reencode": False},  # the caches concatenated as they are
-    "kvlink+link": {"reencode": True, "link": 8},  # and each later document's last 8 tokens recomputed
-    "relay": {"reencode": True, "relay": 16},  # RelayCaching: each later document's first 16 recomputed
-    "kvcomm": {},  # KVCOMM: each later document corrected by its deviation after another prefix
-    "kvlink+sink": {"reencode": True, "sink": 4},  # each later document cached after the prompt's first 4 tokens
-}
-MODES = ("agnostic", "aware", *JOINS)
 
 
 def _prose() -> list[str]:
@@ -117,11 +108,9 @@ class Sweep:
         for task in self.tasks:
             if task not in ALL_TASKS:
                 raise unknown_name("task", task, list(ALL_TASKS))
-        for mode in self.modes:
-            if mode not in MODES:
-                raise unknown_name("mode", mode, list(MODES))
-        if set(self.modes) & set(JOINS) and "reuse" not in self.tasks:
-            raise UserError(f"modes {', '.join(JOINS)} join documents cached apart: add --tasks reuse")
+        joined = [mode for mode in self.modes if is_join(mode)]  # a malformed mode is one line here
+        if joined and "reuse" not in self.tasks:
+            raise UserError(f"modes {', '.join(joined)} join documents cached apart: add --tasks reuse")
         if self.samples < 1:
             raise UserError("--samples must be at least 1")
         for rival in self.rivals:
@@ -217,7 +206,7 @@ def plan(lm: LoadedModel, sweep: Sweep) -> list[Work]:
         for length in sweep.lengths:
             for index in range(sweep.samples):
                 sample = TASKS[task](index, length - PROMPT_ROOM, count, sweep.seed)
-                modes = [m for m in sweep.modes if m not in JOINS or sample.documents]
+                modes = [m for m in sweep.modes if not is_join(m) or sample.documents]
                 for qi, q in enumerate(sample.questions):
                     work += [Work(sample, qi, q, length, mode) for mode in modes]
     return work
@@ -282,7 +271,7 @@ class Share:
         if kind == "fidelity":
             _run_fidelity(self.lm, self.fidelity[i], self.configs, self.store, advance, self.failed)
             return
-        if self.work[i].mode in JOINS:
+        if is_join(self.work[i].mode):
             _run_joined(self.lm, self.work[i], self.configs, self.store, advance, self.failed, self.documents)
             return
         _run_kvstack(self.lm, self.work[i], self.configs, self.store, advance, self.failed)
@@ -354,7 +343,7 @@ def _run_joined(
     tokenize = partial(lm.tokenizer.encode, add_special_tokens=False)
     docs = item.sample.documents
     ids = segments(tokenize, build_prompt(lm, docs[0], "?").context, list(docs[1:]))
-    sink = JOINS[item.mode].get("sink", 0)
+    sink = join_arguments(item.mode).get("sink", 0)
     ids = sink_prefix(ids, sink) if sink else ids
     question = build_prompt(lm, "?", item.question.question, item.question.answer_prefix).question
     eos, pad = eos_ids(lm), lm.tokenizer.pad_token_id if lm.tokenizer.pad_token_id is not None else 0
@@ -369,11 +358,11 @@ def _run_joined(
                 caches.append(documents[memo])
             pairs = [(d, c) for d, (c, _) in zip(ids, caches, strict=True)]
             started = now(lm.model.device)
-            if item.mode == "kvcomm":
+            if item.mode.partition("(")[0] == "kvcomm":
                 anchors, anchor_s = _anchors(lm.model, ids, documents, sample_key)
                 joined = kvcomm.join(lm.model, pairs, anchors)
             else:
-                anchor_s, joined = 0.0, join(lm.model, pairs, **JOINS[item.mode])
+                anchor_s, joined = 0.0, join(lm.model, pairs, **join_arguments(item.mode))
             join_s = now(lm.model.device) - started - anchor_s
             out, m = generate_from(lm.model, joined, [question], None, item.question.max_new_tokens, eos, pad)
         except UserError as err:
