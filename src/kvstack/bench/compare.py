@@ -113,11 +113,9 @@ def compare(
             tasks = tuple(sorted({task for stack, task in cells if stack == method}))
             if not tasks or (budget == "1" and against is None):
                 continue
-            rivals = []
-            for rival in sorted({stack for stack, _ in cells} - {method, "full"}):
-                if against is not None:
-                    rivals += [rival] if rival == against else []
-                    continue
+            stacks = {stack for stack, _ in cells} - {method, "full"}
+            rivals = [] if against is None else [against] if against in stacks else []
+            for rival in sorted(stacks) if against is None else []:
                 held = ratios.get((group, budget, rival))
                 fat = within and held and max(held) > _fraction(budget) * 1.001
                 if not rival.startswith(f"{method}(") and not fat:

@@ -48,6 +48,11 @@ def join_options(mode: str) -> dict[str, int] | None:
     return options
 
 
+def join_name(mode: str) -> str:
+    """The mode's name without its options: `relay(tokens=64)` -> `relay`."""
+    return mode.partition("(")[0].strip()
+
+
 def is_join(mode: str) -> bool:
     """Whether `mode` joins documents cached apart (the reuse task's modes)."""
     return join_options(mode) is not None

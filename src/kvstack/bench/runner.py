@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from kvstack.bench.joins import is_join, join_arguments
+from kvstack.bench.joins import is_join, join_arguments, join_name
 from kvstack.bench.score import digit_partial, string_match_all
 from kvstack.bench.store import Cell, Row, Store
 from kvstack.bench.tasks.custom import OWN_LENGTH, load_task_file
@@ -358,7 +358,7 @@ def _run_joined(
                 caches.append(documents[memo])
             pairs = [(d, c) for d, (c, _) in zip(ids, caches, strict=True)]
             started = now(lm.model.device)
-            if item.mode.partition("(")[0] == "kvcomm":
+            if join_name(item.mode) == "kvcomm":
                 anchors, anchor_s = _anchors(lm.model, ids, documents, sample_key)
                 joined = kvcomm.join(lm.model, pairs, anchors)
             else:

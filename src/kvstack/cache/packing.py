@@ -62,21 +62,26 @@ def unpack(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
         codes = (packed.unsqueeze(-1) >> shifts) & mask
         return codes.reshape(*packed.shape[:-1], -1)[..., :n]
     if bits == 3:  # eight codes per three bytes: one 24-bit word, eight shifts
-        pad = (-packed.shape[-1]) % 3
-        if pad:
-            packed = torch.cat([packed, packed.new_zeros(*packed.shape[:-1], pad)], dim=-1)
-        b = packed.reshape(*packed.shape[:-1], -1, 3).to(torch.int32)
-        word = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16)  # (..., bytes / 3)
         shifts = torch.arange(0, 24, 3, device=packed.device, dtype=torch.int32)
-        codes = (word.unsqueeze(-1) >> shifts) & mask  # (..., bytes / 3, 8)
+        codes = (_words3(packed).unsqueeze(-1) >> shifts) & mask  # (..., bytes / 3, 8)
         return codes.reshape(*packed.shape[:-1], -1)[..., :n].to(torch.uint8)
-    as_int = packed.to(torch.int32)
+    as_int = packed.to(torch.int32)  # other widths (cq's codes of several channels): bit planes
     flat = ((as_int.unsqueeze(-1) >> torch.arange(8, device=packed.device, dtype=torch.int32)) & 1).reshape(
         *packed.shape[:-1], -1
     )
     planes = flat[..., : n * bits].reshape(*packed.shape[:-1], n, bits)
     weights = 1 << torch.arange(bits, device=packed.device, dtype=torch.int32)
     return (planes * weights).sum(-1).to(torch.uint8)
+
+
+def _words3(packed: torch.Tensor) -> torch.Tensor:
+    """(..., ceil(bytes / 3)) int32: each three bytes of 3-bit codes (..., bytes) as one 24-bit
+    little-endian word holding eight codes, the last padded with zero bytes."""
+    pad = (-packed.shape[-1]) % 3
+    if pad:
+        packed = torch.cat([packed, packed.new_zeros(*packed.shape[:-1], pad)], dim=-1)
+    b = packed.reshape(*packed.shape[:-1], -1, 3).to(torch.int32)
+    return b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16)
 
 
 _TABLES: dict[tuple[int, torch.device], torch.Tensor] = {}
@@ -133,11 +138,7 @@ def lookup(packed: torch.Tensor, bits: int, n: int, table: torch.Tensor) -> torc
     """levels[unpack(packed, bits, n)] as (..., n) float32, from `chunk_table(levels, bits)`: each
     chunk of whole codes indexes the table once (no per-code index tensor, no separate gather)."""
     if bits == 3:
-        pad = (-packed.shape[-1]) % 3
-        if pad:
-            packed = torch.cat([packed, packed.new_zeros(*packed.shape[:-1], pad)], dim=-1)
-        b = packed.reshape(*packed.shape[:-1], -1, 3).to(torch.int32)
-        word = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16)  # (..., bytes / 3): eight codes
+        word = _words3(packed)  # (..., bytes / 3): eight codes
         index = torch.stack([word & 0xFFF, word >> 12], dim=-1)  # (..., bytes / 3, 2): four codes each
     else:
         index = packed.int()  # a byte: 8 / bits codes (one at 8 bits)
