@@ -34,6 +34,12 @@ def tiny(request):
     return TINY[request.param]().to(DEVICE)
 
 
+@pytest.fixture(scope="module", params=["llama", "gemma3"])
+def wide(request):
+    """Tiny models with heads wide enough for the kernels (64 and 128 channels: 16 and 32 bytes at 2 bits)."""
+    return tiny_llama(head_dim=64) if request.param == "llama" else tiny_gemma3(head_dim=128)
+
+
 @pytest.fixture(scope="session")
 def llama():
     return tiny_llama().to(DEVICE)

@@ -10,13 +10,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from helpers import coded_heads, decoded_logits
 from kvstack.cache import attention, kernels
-from kvstack.cache.cache import KVCache
-from kvstack.cache.encoded import Uniform, Where
+from kvstack.cache.encoded import Uniform
 from kvstack.cache.packed import Packed, attend_head, packed
 from kvstack.cache.packing import pack, packed_size
-from kvstack.generate import Runner
-from tiny import tiny_gemma3, tiny_llama
+from tiny import tiny_llama
 
 needs_kernel = pytest.mark.skipif(
     kernels.library("packed") is None and shutil.which("cc") is None, reason="no C compiler on this machine"
@@ -47,17 +46,7 @@ def test_two_bit_keys_and_values_by_hand():
 
 def encoded_heads(b, h, n, d, bits, axis, group, keep, seed):
     """h heads' parts of n random tokens each, coded by `Uniform`, thinned to `keep` tokens when given."""
-    g = torch.Generator().manual_seed(seed)
-    codec = Uniform(bits, axis, group)
-    parts = []
-    for head in range(h):
-        x = torch.randn(b, n, d, generator=g) * 3 + torch.randn(1, 1, d, generator=g)
-        enc = codec.encode(x.to(torch.bfloat16), Where(0, head, "key"))
-        if keep:  # the same positions in every head, so the parts stay alike
-            index = torch.sort(torch.randperm(n, generator=torch.Generator().manual_seed(seed))[:keep]).values
-            enc = enc.take(index.expand(b, -1))
-        parts.append(enc)
-    return parts
+    return coded_heads(Uniform(bits, axis, group), b, h, n, d, keep, seed)
 
 
 @needs_kernel
@@ -159,30 +148,6 @@ def test_one_heads_part_is_read_in_place_and_kept_for_the_next_step():
     assert packed([enc.take(torch.arange(50)[None])], one_head=True) is not part  # another part, read anew
 
 
-@pytest.fixture(scope="module", params=["llama", "gemma3"])
-def wide(request):
-    """Tiny models with heads wide enough for the kernel (64 and 128 channels: 16 and 32 bytes at 2 bits)."""
-    return tiny_llama(head_dim=64) if request.param == "llama" else tiny_gemma3(head_dim=128)
-
-
-def run(model, spec, budget, kernel, monkeypatch, padded=True):
-    """Logits of a batch of two (the first padded by 20), prefilled then decoded 16 tokens, with or
-    without the kernel."""
-    monkeypatch.setenv("KVSTACK_KERNELS", "1" if kernel else "0")
-    g = torch.Generator().manual_seed(3)
-    ids = torch.randint(3, 97, (2, 90), generator=g)
-    mask = torch.ones_like(ids)
-    mask[0, :20] = 0 if padded else 1
-    cache = KVCache(model, spec, budget)
-    runner = Runner(model, cache)
-    out = [runner.forward(ids, mask)]
-    for _ in range(16):
-        out.append(runner.forward(torch.randint(3, 97, (2, 1), generator=g), torch.ones(2, 1, dtype=torch.long)))
-    read = [p for layer in cache.layers for h in range(layer.n_kv_heads) for p in layer.head_parts(h)[0]]
-    read += [p for layer in cache.layers for p in (layer.layer_kv() or ([], []))[0]]
-    return torch.stack(out), any(isinstance(p, Packed) for p in read)
-
-
 @needs_kernel
 @pytest.mark.parametrize(
     "spec, budget",
@@ -194,8 +159,8 @@ def run(model, spec, budget, kernel, monkeypatch, padded=True):
     ],
 )
 def test_the_model_decodes_the_same_with_and_without_the_kernel(wide, spec, budget, monkeypatch):
-    with_kernel, used = run(wide, spec, budget, True, monkeypatch)
-    without, unused = run(wide, spec, budget, False, monkeypatch)
+    with_kernel, used = decoded_logits(wide, spec, budget, True, monkeypatch)
+    without, unused = decoded_logits(wide, spec, budget, False, monkeypatch)
     assert used and not unused  # the kernel read some layer's codes, and only when allowed
     torch.testing.assert_close(with_kernel, without, rtol=1e-4, atol=1e-4)
 
@@ -215,9 +180,9 @@ def test_heads_of_their_own_lengths_decode_in_one_call_each(monkeypatch):
 
     monkeypatch.setattr(attention, "attend_head", spy)
     spec = "adakv(keydiff)+adaquant(group=8, residual=8)"
-    with_kernel, _ = run(model, spec, 0.3, True, monkeypatch, padded=False)
+    with_kernel, _ = decoded_logits(model, spec, 0.3, True, monkeypatch, padded=False)
     assert sum(calls) >= 16
-    without, _ = run(model, spec, 0.3, False, monkeypatch, padded=False)
+    without, _ = decoded_logits(model, spec, 0.3, False, monkeypatch, padded=False)
     torch.testing.assert_close(with_kernel, without, rtol=1e-4, atol=1e-4)
 
 

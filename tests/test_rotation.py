@@ -14,6 +14,7 @@ from kvstack.errors import UserError
 from kvstack.generate import Runner
 from kvstack.methods.quantize.rotation import block_size, hadamard, random_signs, rotate, unrotate
 from kvstack.methods.quantize.turboquant import TurboCodec, lloyd_max, qjl_estimate, sphere_levels
+from kvstack.methods.registry import method_class
 from kvstack.stack import Stack
 from test_cache import prompt, step_logits
 
@@ -123,6 +124,15 @@ def test_turboquant_keeps_the_norm_and_no_scale_per_group():
     assert torch.allclose(enc.tokens["norm"].float().squeeze(-1), x.norm(dim=-1), rtol=1e-3)
     assert codec.token_bytes(64) == 64 * 3 / 8 + 2
     assert codec.decode(enc).shape == x.shape
+
+
+def test_values_may_take_their_own_bits():
+    """`turboquant(bits=4, v=2)`: keys on 16 levels, values on 4 (K4V2, 3 bits a channel on
+    average); a width it cannot pack is refused in one line."""
+    keys, values = method_class("turboquant")(bits=4, v=2).codecs()
+    assert (keys.bits, values.bits) == (4, 2) and keys.token_bytes(64) + values.token_bytes(64) == 32 + 16 + 4
+    with pytest.raises(UserError, match="use one of"):
+        method_class("turboquant")(v=5)
 
 
 def test_centring_takes_a_shared_offset_out_of_the_codes():

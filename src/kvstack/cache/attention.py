@@ -17,6 +17,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from kvstack.cache.encoded import Turned
+from kvstack.cache.levels import LevelCodes
 from kvstack.cache.packed import Packed, attend_head
 from kvstack.cache.slab import SlabView, attend
 
@@ -125,8 +126,9 @@ def few_queries(
     taken part by part and joined, so parts are never copied into one tensor. A `Turned` part
     (tokens y R^T held as y) is read with the query turned, q R, and its share of the output
     turned back, (p y) R^T: two (d, d) products per step instead of one per token. A `Packed` part
-    (integer codes) is read by its kernel, with no float copy of its tokens. On CPU, SDPA's
-    bf16 kernel with one query takes ~6 ms over 8k keys where these batched products take ~0.7 ms.
+    (integer codes) or a `LevelCodes` part (codes of a table of levels) is read by its kernel,
+    with no float copy of its tokens. On CPU, SDPA's bf16 kernel with one query takes ~6 ms over
+    8k keys where these batched products take ~0.7 ms.
     mask: (b or 1, h or 1, q, t) True where a key may be seen; bias: (b, h, t) log-counts added
     to the logits (merged entries), or None.
     """
@@ -139,7 +141,7 @@ def few_queries(
     flat_query = query.reshape(b * h, g * q, d).float()
     parts = []
     for k in keys:  # (b*h, g*q, d) @ (b*h, d, t_i): keys are not broadcast over the group (that would copy them)
-        if isinstance(k, Packed):
+        if isinstance(k, Packed | LevelCodes):
             parts.append(k.logits(flat_query))
             continue
         turned = isinstance(k, Turned)  # tokens y @ R^T: the query turns, q R, not every token
@@ -156,7 +158,7 @@ def few_queries(
     out, at = None, 0
     for v in values:
         t_i = v.shape[2]
-        if isinstance(v, Packed):
+        if isinstance(v, Packed | LevelCodes):
             part = v.mix(probs[..., at : at + t_i])
             out, at = part if out is None else out.add_(part), at + t_i
             continue

@@ -39,7 +39,7 @@ class Codec:
     """A rule that encodes (b, n, d) tensors into an `Encoded` and decodes them back."""
 
     bits: int = 16
-    token_group: int = 1  # tokens sharing a row of group tensors (1 = everything is per token)
+    token_group: int = 1  # tokens the cache encodes at once, sharing a row of group tensors if any
     # its codes can be decoded, turned to new positions and encoded again on their own (a cache
     # joined after another: kvstack.cache.join); not so for codes that read other layers' tables
     # or their tokens' positions
@@ -66,6 +66,11 @@ class Codec:
         instead of every token; None when the codec has no such form (then `decode_as`)."""
         return None
 
+    def level_codes(self, enc: Encoded) -> LevelForm | None:
+        """For codes read as norm * levels[code] on a rotated basis (TurboQuant's), what a kernel
+        needs to attend them without decoding (`kvstack.cache.levels`); None for other rules."""
+        return None
+
     def token_bytes(self, dim: int) -> float:
         """Bytes one token costs once encoded (codes plus metadata shared within its group)."""
         raise NotImplementedError
@@ -78,6 +83,19 @@ class Codec:
         """True when tokens coded by `other` may join a part coded by this codec: the same object
         (a codec with tables), or the same rule for codecs without (`Uniform`)."""
         return self is other
+
+
+@dataclass(frozen=True)
+class LevelForm:
+    """How a part's codes read as tokens: token t is norm[t] * levels[codes[t]] @ basis^T, the
+    codes `bits` wide (b, n, bytes) uint8, norm (b, n) float16, `table` the levels' `chunk_table`
+    (2^c, k) float32, basis (d, d) orthogonal float32."""
+
+    codes: torch.Tensor
+    norm: torch.Tensor
+    bits: int
+    table: torch.Tensor
+    basis: torch.Tensor
 
 
 @dataclass(frozen=True)

@@ -23,13 +23,14 @@ from kvstack.cache.coded import Coded, alike, compact, decode_heads
 from kvstack.cache.encoded import Codec, Encoded, Turned, Where, gather_rows
 from kvstack.cache.heads import PerHead
 from kvstack.cache.keep import Keep
+from kvstack.cache.levels import LevelCodes
 from kvstack.cache.packed import Packed, packed
 from kvstack.cache.sequence import SequenceState
 from kvstack.cache.tier import Tier
 
 SLOT_DTYPE = torch.int32
 WEIGHT = "log_count"  # per-token statistic: log of how many tokens a merged entry stands for
-Part = torch.Tensor | Turned | Packed  # tokens as attention reads them (on a rotated basis; as codes)
+Part = torch.Tensor | Turned | Packed | LevelCodes  # tokens as attention reads them (on a rotated basis; as codes)
 
 
 def storage_bytes(tensors: list[torch.Tensor]) -> int:

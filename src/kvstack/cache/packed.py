@@ -14,12 +14,13 @@ from typing import Any
 import torch
 
 from kvstack.cache.encoded import Encoded, Uniform, gather_rows
-from kvstack.cache.kernels import library
+from kvstack.cache.kernels import library, pointer, stack_heads
+from kvstack.cache.levels import LevelCodes, level_codes
 from kvstack.cache.packing import packed_size, unpack_float
 
 LANES = 16  # the kernel widens 16 bytes of a token at a time
 # one head's `Packed` part, kept beside its `Encoded` part while that lives (never saved with it)
-_KEPT: weakref.WeakKeyDictionary[Encoded, Packed] = weakref.WeakKeyDictionary()
+_KEPT: weakref.WeakKeyDictionary[Encoded, Packed | LevelCodes] = weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,14 @@ class Packed:
         x = (codes * scale + zero).view(self.b, self.h, n, self.dim)
         return x[:, 0] if self.one_head else x
 
+    def reads(self, enc: Encoded) -> bool:
+        """True when this part reads `enc`'s own tensors (nothing was stacked, converted or copied)."""
+        meta = enc.tokens if enc.codec.axis == "token" else enc.groups  # type: ignore[attr-defined]
+        mine, theirs = [self.codes, self.scale, self.zero], [enc.tokens["codes"], meta["scale"], meta["zero"]]
+        if self.counts is not None:
+            mine, theirs = [*mine, self.counts], [*theirs, enc.groups["count"]]
+        return all(a.data_ptr() == b.data_ptr() and a.shape == b.shape for a, b in zip(mine, theirs, strict=True))
+
     def logits(self, query: torch.Tensor) -> torch.Tensor:
         """(b*h, G, n) float32: query (b*h, G, d) float32 times every token's keys."""
         q = query.float().contiguous()
@@ -91,7 +100,7 @@ class Packed:
         w, bits, *layout = self.arguments
         getattr(lib, name)(
             rows, n, ctypes.c_int64(self.dim), w, bits, *layout,
-            _ptr(x), ctypes.c_int64(x.shape[1]), _ptr(out), ctypes.c_int(torch.get_num_threads()),
+            pointer(x), ctypes.c_int64(x.shape[1]), pointer(out), ctypes.c_int(torch.get_num_threads()),
         )  # fmt: skip
 
     @cached_property
@@ -99,9 +108,10 @@ class Packed:
         """The kernel's arguments that describe these codes (width, bits, pointers, groups), made
         once: a head's part is read again at every decoding step."""
         i64 = ctypes.c_int64
-        counts = _ptr(self.counts) if self.counts is not None else None
+        counts = pointer(self.counts) if self.counts is not None else None
         return (
-            i64(self.codes.shape[2]), ctypes.c_int(self.bits), _ptr(self.codes), _ptr(self.scale), _ptr(self.zero),
+            i64(self.codes.shape[2]), ctypes.c_int(self.bits),
+            pointer(self.codes), pointer(self.scale), pointer(self.zero),
             i64(self.scale.shape[1]), i64(self.tg), i64(self.dg), counts,
         )  # fmt: skip
 
@@ -134,38 +144,26 @@ def attend_head(query: torch.Tensor, keys: list[Any], values: list[Any], scale: 
     i64 = ctypes.c_int64
     lib.packed_attend(
         i64(b), i64(g * q), i64(d), i64(kc.codes.shape[1]), *kc.arguments, *vc.arguments,
-        i64(kp.shape[1]), _ptr(kp), i64(kp.stride(0)), i64(kp.stride(1)),
-        _ptr(vp), i64(vp.stride(0)), i64(vp.stride(1)),
-        ctypes.c_int(kind), _ptr(flat), ctypes.c_float(scale), _ptr(out), ctypes.c_int(torch.get_num_threads()),
+        i64(kp.shape[1]), pointer(kp), i64(kp.stride(0)), i64(kp.stride(1)),
+        pointer(vp), i64(vp.stride(0)), i64(vp.stride(1)),
+        ctypes.c_int(kind), pointer(flat), ctypes.c_float(scale), pointer(out), ctypes.c_int(torch.get_num_threads()),
     )  # fmt: skip
     return out.view(b, g, q, d)
 
 
-def _ptr(x: torch.Tensor) -> ctypes.c_void_p:
-    return ctypes.c_void_p(x.data_ptr())
-
-
-def packed(parts: list[Encoded], one_head: bool = False) -> Packed | None:
-    """The parts of h heads (alike: one `Uniform` rule, the same shapes) as one `Packed` part read
-    as (b, h, n, d), or as (b, n, d) for `one_head`; None where the kernel does not apply (then
-    they are decoded). One head's part reads its own tensors in place, so it is kept beside the
-    part (`Encoded` parts never change once made) and the next decoding step takes it as it is."""
+def packed(parts: list[Encoded], one_head: bool = False) -> Packed | LevelCodes | None:
+    """The parts of h heads (alike: one rule, the same shapes) as one part a kernel reads: codes
+    on uniform levels (`Packed`) or on a table of levels (`LevelCodes`), read as (b, h, n, d), or
+    as (b, n, d) for `one_head`; None where no kernel applies (then they are decoded). One head's
+    part reads its own tensors in place, so it is kept beside the part (`Encoded` parts never
+    change once made) and the next decoding step takes it as it is."""
     kept = _KEPT.get(parts[0]) if len(parts) == 1 else None
     if kept is not None:  # made where the kernel is: read by it while the part lives
         return kept if kept.one_head == one_head else replace(kept, one_head=one_head)
-    part = _packed(parts, one_head)
-    if part is not None and len(parts) == 1 and _in_place(part, parts[0]):
+    part = _packed(parts, one_head) if type(parts[0].codec) is Uniform else level_codes(parts, one_head)
+    if part is not None and len(parts) == 1 and part.reads(parts[0]):
         _KEPT[parts[0]] = part  # views of the part's own CPU tensors: no byte more is held
     return part
-
-
-def _in_place(part: Packed, enc: Encoded) -> bool:
-    """True when `part` reads `enc`'s own tensors (nothing was stacked, converted or copied)."""
-    meta = enc.tokens if enc.codec.axis == "token" else enc.groups  # type: ignore[attr-defined]
-    mine, theirs = [part.codes, part.scale, part.zero], [enc.tokens["codes"], meta["scale"], meta["zero"]]
-    if part.counts is not None:
-        mine, theirs = [*mine, part.counts], [*theirs, enc.groups["count"]]
-    return all(a.data_ptr() == b.data_ptr() and a.shape == b.shape for a, b in zip(mine, theirs, strict=True))
 
 
 def _packed(parts: list[Encoded], one_head: bool) -> Packed | None:
@@ -181,20 +179,15 @@ def _packed(parts: list[Encoded], one_head: bool) -> Packed | None:
     meta = [p.tokens if codec.axis == "token" else p.groups for p in parts]
     if any(m["scale"].dtype != torch.float16 or m["zero"].dtype != torch.float16 for m in meta):
         return None  # the kernel reads float16 metadata (`encoded.META_DTYPE`)
-    codes = _stack([p.tokens["codes"] for p in parts])
+    codes = stack_heads([p.tokens["codes"] for p in parts])
     if codec.axis == "token":
         tg, dg, counts = 1, codec.group, None
     else:
         tg, dg = codec.group, 1
-        counts = _stack([p.groups["count"] for p in parts]).contiguous() if "count" in first.groups else None
-    scale = _stack([m["scale"] for m in meta]).contiguous()
-    zero = _stack([m["zero"] for m in meta]).contiguous()
+        counts = stack_heads([p.groups["count"] for p in parts]).contiguous() if "count" in first.groups else None
+    scale = stack_heads([m["scale"] for m in meta]).contiguous()
+    zero = stack_heads([m["zero"] for m in meta]).contiguous()
     b, h = codes.shape[0] // len(parts), len(parts)
     if counts is not None and counts.dtype != torch.int16:
         counts = counts.to(torch.int16)
     return Packed(codes.contiguous(), scale, zero, counts, codec.bits, tg, dg, first.dim, b, h, one_head)
-
-
-def _stack(xs: list[torch.Tensor]) -> torch.Tensor:
-    """h heads' (b, ...) tensors as (b*h, ...), sequence-major (row j*h + i: sequence j, head i)."""
-    return xs[0] if len(xs) == 1 else torch.stack(xs, dim=1).flatten(0, 1)

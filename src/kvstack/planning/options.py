@@ -77,8 +77,8 @@ def codecs(storage: Storage, head_dim: int) -> tuple[Codec, Codec] | None:
 
 
 def group_of(storage: Storage) -> int:
-    """Tokens a head encodes together under `storage` (KIVI's key groups; 1 for per-token codes)."""
-    return GROUP if storage.rule == "kivi" else 1
+    """Tokens a head encodes together under `storage` (KIVI's key groups; TurboQuant's batches)."""
+    return GROUP if storage.rule == "kivi" else TurboCodec(storage.key_bits).token_group
 
 
 def cost(storage: Storage, head_dim: int, full: int, slot: int) -> Cost:

@@ -1,7 +1,7 @@
-"""Native kernels: small C sources shipped with kvstack, built once per machine with the system's
-C compiler into kvstack's cache folder and loaded with ctypes (no torch headers: a build takes
-about a second). Where there is no compiler, or `KVSTACK_KERNELS=0`, `library` returns None and
-callers stay on torch."""
+"""Native kernels: small C sources shipped with kvstack (with common.h, what they share), built
+once per machine with the system's C compiler into kvstack's cache folder and loaded with ctypes
+(no torch headers: a build takes about a second). Where there is no compiler, or
+`KVSTACK_KERNELS=0`, `library` returns None and callers stay on torch."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+
+import torch
 
 from kvstack.paths import cache_dir
 
@@ -45,7 +47,8 @@ def _load(name: str) -> ctypes.CDLL | None:
     if compiler is None:
         log.warning("kvstack: no C compiler found; quantized caches decode through torch (slower)")
         return None
-    key = hashlib.sha256(source.read_bytes() + " ".join(FLAGS + LIBS).encode() + _machine().encode()).hexdigest()[:16]
+    text = b"".join(f.read_bytes() for f in (source, *sorted(source.parent.glob("*.h"))))  # the headers it includes
+    key = hashlib.sha256(text + " ".join(FLAGS + LIBS).encode() + _machine().encode()).hexdigest()[:16]
     target = cache_dir() / "kernels" / f"{name}-{key}.so"
     try:  # a cache folder that cannot be written, a failed build, a library that does not load: torch
         if not target.exists():
@@ -73,3 +76,13 @@ def _build(compiler: str, source: Path, target: Path) -> None:
 def library(name: str) -> ctypes.CDLL | None:
     """The kernel library `name` (kernels/NAME.c), built on first use; None where it cannot be."""
     return _load(name) if enabled() else None
+
+
+def pointer(x: torch.Tensor) -> ctypes.c_void_p:
+    """The address of x's first element, as a kernel reads it (x must stay alive for the call)."""
+    return ctypes.c_void_p(x.data_ptr())
+
+
+def stack_heads(xs: list[torch.Tensor]) -> torch.Tensor:
+    """h heads' (b, ...) tensors as (b*h, ...), sequence-major (row j*h + i: sequence j, head i)."""
+    return xs[0] if len(xs) == 1 else torch.stack(xs, dim=1).flatten(0, 1)
