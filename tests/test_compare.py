@@ -153,6 +153,19 @@ def test_piped_into_a_file_a_row_stays_on_one_line(tmp_path):
     assert any(long in line and "+1.000" in line for line in done.stdout.splitlines())
 
 
+def test_a_named_rival_is_met_on_the_tasks_it_ran():
+    """kvpress's presses run no fidelity window: named, the rival is compared on the questions of
+    the tasks both ran; unnamed, a rival that skipped a task is passed over."""
+    data = (
+        rows("auto", "0.125", "qa", [1] * 10)
+        + rows("auto", "0.125", "fidelity", [1.0] * 10, 0.12)
+        + rows("kvpress:keydiff+quanto4", "0.125", "qa", [0] * 5 + [1] * 5)
+    )
+    assert compare(data, "auto") == []
+    (c,) = compare(data, "auto", against="kvpress:keydiff+quanto4")
+    assert (c.tasks, c.pairs, c.score, c.rival_score) == (("qa",), 10, 1.0, 0.5)
+
+
 def test_against_a_named_stack_quantizers_alone_compare_at_budget_one(tmp_path):
     data = (
         rows("turboquant(bits=2)", "1", "qa", [1] * 8 + [0] * 2)

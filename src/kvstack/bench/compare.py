@@ -96,7 +96,7 @@ def compare(
     mean over the tasks both ran on every question; with `within`, only stacks whose context
     bytes fit the budget (the fidelity rows' kv_ratio, when the sweep has them); with
     `held_out`, the best on the other half of the samples (`cross_fitted`). With `against`, that
-    stack is the only rival, at budget 1 too (where quantizers alone run; otherwise a budget of 1
+    stack is the only rival, on the tasks it ran, at budget 1 too (where quantizers alone run; otherwise a budget of 1
     is every eviction stack's full cache, and skipped)."""
     scores: dict[Key, dict[str, Scores]] = defaultdict(lambda: defaultdict(lambda: defaultdict(dict)))
     ratios: dict[tuple[Key, str, str], list[float]] = defaultdict(list)
@@ -111,6 +111,8 @@ def compare(
     for group in sorted(scores):
         for budget, cells in sorted(scores[group].items(), key=lambda kv: -_fraction(kv[0])):
             tasks = tuple(sorted({task for stack, task in cells if stack == method}))
+            if against is not None:  # a named rival is met on the tasks it ran (kvpress runs no fidelity)
+                tasks = tuple(t for t in tasks if (against, t) in cells)
             if not tasks or (budget == "1" and against is None):
                 continue
             stacks = {stack for stack, _ in cells} - {method, "full"}
