@@ -23,8 +23,9 @@ def private_calibrations(tmp_path_factory):
         patch.setenv("KVSTACK_CALIBRATION", str(folder))
         from kvstack.training.train import train
 
-        for build in TINY.values():  # learned scorers (kvzap) find a predictor for each tiny model
-            train(build(), texts=2, held=1, tokens=64, hidden=8, steps=20)
+        for build in TINY.values():  # learned scorers find a predictor for each tiny model
+            for method in ("kvzap", "retention"):
+                train(build(), method, texts=2, held=1, tokens=64, hidden=8, steps=20)
         yield
 
 

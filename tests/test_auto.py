@@ -175,10 +175,17 @@ def _prefill(model, spec, budget, n=600, batch=1):
     return cache, runner
 
 
+LEARNED_AUTO = "auto(tokens=256, samples=1, validate=1, scorers=('kvzap', 'retention'))"
+
+
 @pytest.mark.parametrize("budget", [0.25, 0.125])
-@pytest.mark.parametrize("spec", [TINY_AUTO, "auto(tokens=256, samples=1, validate=1, bits=('16', 't3', 't2'))"])
+@pytest.mark.parametrize(
+    "spec", [TINY_AUTO, "auto(tokens=256, samples=1, validate=1, bits=('16', 't3', 't2'))", LEARNED_AUTO]
+)
 def test_plan_bytes_equal_the_measured_bytes(tiny, budget, spec):
     cache, _ = _prefill(tiny, spec, budget)
+    if spec == LEARNED_AUTO:  # learned scorers find their predictors in the plan's measurements and its cache
+        assert set(cache.plan.scorers) <= {"kvzap", "retention"}
     assert cache.plan.total_bytes == cache.nbytes()
     assert cache.nbytes() <= budget * cache.full_nbytes()
     assert cache.plan.full_bytes == cache.full_nbytes()

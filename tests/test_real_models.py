@@ -284,6 +284,29 @@ def test_kvzap_scores_with_the_predictor_kvstack_ships_and_sentences_mark_real_t
         assert got.kv_ratio <= 0.51
 
 
+def test_retention_reads_the_shipped_predictor_and_learned_that_attention_falls_with_age(smollm2):
+    """SmolLM2's shipped retention predictor loads (its hash checked); on real prose it gives most
+    tokens a decay below zero, and the cache it drives holds its budget."""
+    from kvstack.calibrate.store import model_key
+    from kvstack.methods.base import Observation
+    from kvstack.methods.learned.predictor import SHIPPED, find, load
+    from kvstack.methods.learned.retention import Retention
+    from kvstack.training.teachers import prefill
+
+    path = find(model_key(smollm2.model), "retention")
+    assert path.parent == SHIPPED
+    predictor = load(path, model_key(smollm2.model), "retention")
+    ids = torch.tensor(smollm2.tokenizer.encode(needle_sample(words=400).context))
+    cache = prefill(smollm2.model, ids)
+    layer = cache.layers[len(cache.layers) // 2]
+    obs = Observation(layer, layer.counts(), None, tables={"retention": predictor})
+    _, decay = Retention().predicted(obs, outputs=2).chunk(2, dim=1)
+    assert float((decay < 0).float().mean()) > 0.8
+    s = needle_sample(words=600)
+    got = answer(smollm2, [s.context], [s.question], "retention", 0.5, max_new_tokens=8, answer_prefix=s.answer_prefix)
+    assert got.kv_ratio <= 0.51
+
+
 def test_a_compiled_slab_answers_the_needle_like_the_cache(smollm2):
     """SmolLM2 in bf16, a 4k needle, snapkv at 1/4: decoding on a slab under inductor gives the
     KVCache's answer, with the slab's bytes within a few places a head of the budget."""

@@ -12,9 +12,11 @@ from kvstack.terminal import DEFAULT, err, fail, out
 
 
 def train(
-    method: Annotated[str, typer.Argument(help="the learned scorer to train: kvzap")],
+    method: Annotated[str, typer.Argument(help="the learned scorer to train: kvzap, retention")],
     model: Annotated[str, typer.Option("--model", "-m", help="registered name, local folder or .gguf")] = DEFAULT,
-    teacher: Annotated[str | None, typer.Option(help="whose scores to learn (kvzap: kvzip)")] = None,
+    teacher: Annotated[
+        str | None, typer.Option(help="whose scores to learn (kvzap: kvzip or future; retention: decay)")
+    ] = None,
     texts: Annotated[int, typer.Option(help="State of the Union rows to train on")] = 16,
     held: Annotated[int, typer.Option(help="other rows the predictor is checked on")] = 2,
     tokens: Annotated[int, typer.Option(help="tokens per row")] = 1024,

@@ -112,6 +112,7 @@ def measure(
     window = max([len(part) + LEAD + NEEDLE, probe, *(s.query_window for s in scorers)])
     total: torch.Tensor | None = None
     generator = torch.Generator().manual_seed(0)
+    tables = {m.name: table for m in scorers if (table := m.load(model)) is not None}  # learned predictors
     for row in calibration_ids(model, samples, tokens + probe):
         context, probes = probe_set(row, tokens, list(part), generator)
         cache = KVCache(model, "full", 1.0, observe=needs, query_window=window)
@@ -119,7 +120,7 @@ def measure(
         runner.forward(context[None], torch.ones(1, tokens, dtype=torch.long))
         held = []
         for layer in cache.layers:
-            obs = Observation(layer, layer.counts(), None)
+            obs = Observation(layer, layer.counts(), None, tables=tables)
             valid = obs.valid[0, 0]
             held.append((obs.keys[0][:, valid], obs.values[0][:, valid], [m.score(obs)[0][:, valid] for m in scorers]))
         queries: list[list[torch.Tensor]] = [[] for _ in cache.layers]

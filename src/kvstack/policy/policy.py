@@ -365,9 +365,12 @@ class Policy:
 
 def scorer_tables(stack: Stack, source: Any) -> dict[str, Any]:
     """Scorer name -> what it loads from the model once (`Method.load`), for each scorer of the
-    stack's evictor (a wrapped one included)."""
+    stack's evictor (a wrapped one included) and of its planner (`auto`'s candidates)."""
     tables: dict[str, Any] = {}
-    for stage in stack.evictor.chain() if stack.evictor is not None else []:
+    stages = stack.evictor.chain() if stack.evictor is not None else []
+    if stack.planner is not None:
+        stages += list(stack.planner.methods.values())
+    for stage in stages:
         if isinstance(stage, Method):
             table = stage.load(source)
             if table is not None:

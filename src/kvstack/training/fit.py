@@ -2,8 +2,9 @@
 
 Every head's data has the same tokens, so the heads train as one batch: x (L, h, N, F),
 y (L, h, N). Features are standardised per head; targets too (a score's scale does not matter,
-only its order within the head). A linear head is solved exactly (ridge); an MLP head by Adam
-on random mini-batches of tokens.
+only its order within the head), unless `units` asks for predictions in the targets' own units
+(learned retention adds its scale and its decay times the age: their units matter). A linear head
+is solved exactly (ridge); an MLP head by Adam on random mini-batches of tokens.
 """
 
 from __future__ import annotations
@@ -33,12 +34,16 @@ def fit(
     lr: float = 3e-3,
     seed: int = 0,
     progress: Callable[[int], None] | None = None,
+    units: bool = False,
 ) -> Predictor:
     """A predictor of y (L, h, N) from x (L, h, N, F): linear when `hidden` is 0, else a 2-layer MLP
-    of that width trained for `steps` mini-batches of `batch` tokens. `progress(k)` after k steps."""
+    of that width trained for `steps` mini-batches of `batch` tokens. `progress(k)` after k steps.
+    Its scores are standardised per head, or in y's units with `units`."""
     z, mean, std = standardise(x.float())
-    target = y.float()
-    target = (target - target.mean(-1, keepdim=True)) / target.std(-1, keepdim=True).clamp(min=1e-6)
+    y_mean, y_std = y.float().mean(-1), y.float().std(-1).clamp(min=1e-6)  # (L, h)
+    target = (y.float() - y_mean[..., None]) / y_std[..., None]
+    if not units:
+        y_mean, y_std = torch.zeros_like(y_mean), torch.ones_like(y_std)
     big_l, h, _, f = z.shape
     if hidden == 0:
         gram = z.transpose(-1, -2) @ z + RIDGE * z.shape[-2] * torch.eye(f)  # (L, h, F, F)
@@ -46,7 +51,7 @@ def fit(
         empty = torch.zeros(big_l, h, 0)
         if progress is not None:
             progress(steps)
-        return Predictor(w, empty, empty, torch.zeros(big_l, h), mean, std)
+        return Predictor(w * y_std[..., None, None], empty, empty, y_mean, mean, std)
     gen = torch.Generator().manual_seed(seed)
     w1 = (torch.randn(big_l, h, f, hidden, generator=gen) / f**0.5).requires_grad_()
     b1 = torch.zeros(big_l, h, hidden, requires_grad=True)
@@ -71,7 +76,8 @@ def fit(
             schedule.step()
             if progress is not None:
                 progress(step + 1)
-    return Predictor(*(p.detach() for p in params), mean, std)
+    w1, b1, w2, b2 = (p.detach() for p in params)
+    return Predictor(w1, b1, w2 * y_std[..., None], b2 * y_std + y_mean, mean, std)
 
 
 def fit_layers(xs: list[torch.Tensor], ys: list[torch.Tensor], hidden: int, **options: Any) -> Predictor:

@@ -1,8 +1,13 @@
 """Teacher scores and student inputs on training text: what a learned scorer is fitted to.
 
 A teacher scores every token of a prose row once, the expensive way; a student sees only each
-token's key before RoPE and its value. `kvzip`: KVzip's reconstruction score (the most
-attention a query repeating the context gives the token), as `kvzip` computes it, in log.
+token's key before RoPE and its value. Teachers, each a per-layer (o*h, n_l) target of o outputs:
+- `kvzip` (o = 1): KVzip's reconstruction score (the most attention a query repeating the
+  context gives the token), as `kvzip` computes it, in log;
+- `future` (o = 1): the mean log attention the next HORIZON tokens' queries give it (the future
+  utility TokenButler and learned retention learn), averaged over the head's group;
+- `decay` (o = 2): the least-squares line of that log attention by age (1 to HORIZON), its
+  intercept for every head, then its slope (learned retention's geometric decay).
 """
 
 from __future__ import annotations
@@ -13,13 +18,13 @@ from typing import Any
 import torch
 
 from kvstack.cache.cache import KVCache
+from kvstack.cache.statistics import FLOOR, FUTURE
 from kvstack.errors import UserError, unknown_name
 from kvstack.generate import Runner
 from kvstack.methods.learned.predictor import features
 from kvstack.models.rope import rotate
 
-TEACHERS = ("kvzip",)
-FLOOR = 1e-6  # scores below this are equal (log floor)
+TEACHERS = {"kvzip": 1, "future": 1, "decay": 2}  # name -> outputs per KV head
 
 
 def check_teacher(name: str) -> str:
@@ -54,12 +59,42 @@ def student_inputs(cache: KVCache) -> list[torch.Tensor]:
 
 
 def teacher_scores(model: Any, ids: torch.Tensor, teacher: str) -> list[torch.Tensor]:
-    """Per layer (h, n_l) float32: the teacher's log score of each token a full cache holds after
-    the row `ids` (n,): n_l = n, or a sliding-window layer's window."""
+    """Per layer (o*h, n_l) float32: the teacher's o targets for each token a full cache holds
+    after the row `ids` (n,): n_l = n, or a sliding-window layer's window."""
     check_teacher(teacher)
-    cache = prefill(model, ids, observe=frozenset({"reconstruction"}))
-    per_layer = [torch.stack([s[0] for s in layer.stats["reconstruction"]]) for layer in cache.layers]
-    return [scores.float().clamp(min=FLOOR).log().cpu() for scores in per_layer]
+    if teacher == "kvzip":
+        cache = prefill(model, ids, observe=frozenset({"reconstruction"}))
+        per_layer = [torch.stack([s[0] for s in layer.stats["reconstruction"]]) for layer in cache.layers]
+        return [scores.float().clamp(min=FLOOR).log().cpu() for scores in per_layer]
+    cache = prefill(model, ids, observe=FUTURE)
+    out = []
+    for layer in cache.layers:
+        stat = {name: torch.stack([s[0] for s in layer.stats[name]]).float().cpu() for name in FUTURE}
+        scale, decay = log_line(stat["future_count"], stat["future_log"], stat["future_log_age"])
+        out.append(torch.cat([scale, decay]) if teacher == "decay" else future_mean(stat))
+    return out
+
+
+def future_mean(stat: dict[str, torch.Tensor]) -> torch.Tensor:
+    """(h, n) mean log attention over each token's next queries; a token with none (the row's
+    last) takes its head's lowest."""
+    count, logs = stat["future_count"], stat["future_log"]
+    mean = logs / count.clamp(min=1)
+    low = mean.masked_fill(count == 0, float("inf")).amin(-1, keepdim=True)
+    return torch.where(count > 0, mean, low)
+
+
+def log_line(count: torch.Tensor, logs: torch.Tensor, logs_age: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(intercept, slope) (h, n) of the least-squares line log p = a + b * age over each token's
+    `count` queries aged 1..count (sums of log p and of age * log p given). One query gives a flat
+    line; none, the head's lowest intercept and no slope."""
+    m = count
+    s1, s2 = m * (m + 1) / 2, m * (m + 1) * (2 * m + 1) / 6  # sums of age and age^2 over 1..m
+    spread = m * s2 - s1 * s1  # m^2 times the ages' variance: 0 for m <= 1
+    slope = torch.where(spread > 0, (m * logs_age - s1 * logs) / spread.clamp(min=1e-9), torch.zeros_like(m))
+    intercept = (logs - slope * s1) / m.clamp(min=1)
+    low = intercept.masked_fill(m == 0, float("inf")).amin(-1, keepdim=True)
+    return torch.where(m > 0, intercept, low), slope
 
 
 def cached_scores(model: Any, ids: torch.Tensor, teacher: str, folder: Path) -> list[torch.Tensor]:

@@ -4,20 +4,22 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from kvstack.cache.statistics import HORIZON
 from kvstack.calibrate.prose import calibration_ids
 from kvstack.calibrate.store import Ticker, calibration_dir, model_key
 from kvstack.errors import UserError, unknown_name
 from kvstack.methods.learned.predictor import Predictor, predictor_path
 from kvstack.training.fit import fit_layers, kept_overlap
-from kvstack.training.teachers import cached_scores, check_teacher, prefill, student_inputs
+from kvstack.training.teachers import TEACHERS, cached_scores, check_teacher, prefill, student_inputs
 
-TRAINABLE = {"kvzap": "kvzip"}  # learned scorer -> its default teacher
+TRAINABLE = {"kvzap": "kvzip", "retention": "decay"}  # learned scorer -> its default teacher (its outputs' width)
 FRACTIONS = (0.125, 0.25)  # held-out check: the teacher's kept set at these budgets
 
 
@@ -48,6 +50,11 @@ def train(
     if method not in TRAINABLE:
         raise unknown_name("trainable method", method, list(TRAINABLE))
     teacher = check_teacher(teacher or TRAINABLE[method])
+    outputs = TEACHERS[TRAINABLE[method]]  # per KV head
+    if TEACHERS[teacher] != outputs:
+        fits = [name for name, o in TEACHERS.items() if o == outputs]
+        gives = f"teacher {teacher} gives {TEACHERS[teacher]}"
+        raise UserError(f"{method} learns {outputs} output(s) per head, {gives}: use {', '.join(fits)}")
     if texts < 1 or held < 1 or tokens < 32 or hidden < 0 or steps < 1:
         raise UserError("train on texts >= 1 rows, held >= 1 held-out rows, tokens >= 32, hidden >= 0, steps >= 1")
     key = model_key(model)
@@ -59,21 +66,24 @@ def train(
     with torch.no_grad(), Ticker(f"{method}: {teacher} scores and inputs", len(rows) + len(checks)) as ticker:
         for ids in rows + checks:
             targets.append(cached_scores(model, ids, teacher, folder))  # per layer (h, n_l)
-            inputs.append(student_inputs(prefill(model, ids)))  # per layer (h, n_l, F)
+            inputs.append([torch.cat([x] * outputs) for x in student_inputs(prefill(model, ids))])  # (o*h, n_l, F)
             ticker.advance()
     teacher_s = time.monotonic() - started
     started = time.monotonic()
     xs = [torch.cat([row[i] for row in inputs[: len(rows)]], 1) for i in range(len(inputs[0]))]
     ys = [torch.cat([row[i] for row in targets[: len(rows)]], 1) for i in range(len(targets[0]))]
     with Ticker(f"{method}: fitting {len(xs)} x {xs[0].shape[0]} heads", steps) as ticker:
-        predictor = fit_layers(xs, ys, hidden, steps=steps, progress=lambda k: ticker.advance(k - ticker.done))
+        predictor = fit_layers(
+            xs, ys, hidden, steps=steps, progress=lambda k: ticker.advance(k - ticker.done), units=outputs > 1
+        )
     fit_s = time.monotonic() - started
-    held_out = check(predictor, inputs[len(rows) :], targets[len(rows) :])
+    held_out = check(predictor, inputs[len(rows) :], targets[len(rows) :], final_score(method))
     predictor.meta = {
         "method": method,
         "model_key": key,
         "model": getattr(model, "kvstack_name", ""),
         "teacher": teacher,
+        "horizon": "" if teacher == "kvzip" else str(HORIZON),
         "texts": str(texts),
         "tokens": str(tokens),
         "hidden": str(hidden),
@@ -88,16 +98,36 @@ def train(
     return Trained(predictor, path, held_out, teacher_s, fit_s)
 
 
+def final_score(method: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """How `method` ranks a row's tokens at its end from its outputs (o*h, n) -> (h, n): kvzap's
+    score as it is; retention's scale plus decay times each token's age."""
+    if method != "retention":
+        return lambda y: y
+    from kvstack.methods.learned.retention import retained
+
+    def at_end(y: torch.Tensor) -> torch.Tensor:
+        scale, decay = y.chunk(2)
+        age = torch.arange(y.shape[-1], 0, -1, dtype=y.dtype)  # the next query is 1 after the last token
+        return retained(scale, decay, age)
+
+    return at_end
+
+
 def check(
-    predictor: Predictor, inputs: list[list[torch.Tensor]], targets: list[list[torch.Tensor]]
+    predictor: Predictor,
+    inputs: list[list[torch.Tensor]],
+    targets: list[list[torch.Tensor]],
+    final: Callable[[torch.Tensor], torch.Tensor] = lambda y: y,
 ) -> dict[str, float]:
     """Mean over rows and layers of `kept_overlap` at each of FRACTIONS: per row, per layer inputs
-    (h, n_l, F) and targets (h, n_l). The first 4 tokens (kept by every scorer) are left out."""
+    (o*h, n_l, F) and targets (o*h, n_l), both ranked by `final` (o*h, n) -> (h, n). The first 4
+    tokens (kept by every scorer) are left out."""
     out = {}
     for fraction in FRACTIONS:
         shares = []
         for row_x, row_y in zip(inputs, targets, strict=True):
             for i, (x, y) in enumerate(zip(row_x, row_y, strict=True)):
-                shares.append(kept_overlap(predictor.predict(i, x[None])[0][..., 4:], y[..., 4:], fraction))
+                mine, theirs = final(predictor.predict(i, x[None])[0]), final(y)
+                shares.append(kept_overlap(mine[..., 4:], theirs[..., 4:], fraction))
         out[f"kept@{fraction:g}"] = sum(shares) / len(shares)
     return out

@@ -3,23 +3,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 import torch
 
-from kvstack.errors import UserError
-from kvstack.methods.base import Method, Observation
-from kvstack.methods.learned.predictor import Predictor, features, find, load
+from kvstack.methods.base import Observation
+from kvstack.methods.learned.scorer import LearnedScorer
 from kvstack.methods.registry import register
-from kvstack.models.rope import rotate
-
-_MEMO: dict[tuple[str, float], Predictor] = {}
 
 
 @register
 @dataclass
-class KVzap(Method):
+class KVzap(LearnedScorer):
     """A surrogate of KVzip: per layer and KV head a small predictor, trained on prose beside the
     frozen model (`kvstack train kvzap`), predicts the log of KVzip's reconstruction score of a
     token from that token alone, so scoring costs a few matrix products instead of KVzip's
@@ -33,8 +27,10 @@ class KVzap(Method):
     (cosines with the mean key and value directions, norms over the mean norms: `features`).
     The paper's teacher is KVzip+ (an improved KVzip); here it is KVzip's score as kvstack
     computes it (max attention of the repeat queries), on State of the Union addresses, which no
-    benchmark task uses. The predictor is linear by default: a 2-layer MLP kept more of KVzip's
-    choices on held-out prose but lost the repeated-sentence needle (README, learned scorers).
+    benchmark task uses; `kvstack train kvzap --teacher future` fits it to the attention of the
+    next 128 tokens instead (TokenButler's and learned retention's target; it loses the
+    needles). The predictor is linear by default: a 2-layer MLP kept more of KVzip's choices on
+    held-out prose but lost the repeated-sentence needle (README, learned scorers).
 
     Parameters: `path` a predictor file (default: the one trained here for this model, else the
     one shipped with kvstack); `sinks` first tokens always kept.
@@ -42,40 +38,7 @@ class KVzap(Method):
     """
 
     name = "kvzap"
-    family = "evict"
     paper = "KVzap, a learned approximation of KVzip (arXiv 2601.07891; kvpress's KVzapPress)"
-    path: str = ""
-    sinks: int = 4
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.sinks < 0:
-            raise ValueError(f"kvzap: sinks must be >= 0 (first tokens always kept), got {self.sinks}")
-
-    @property
-    def min_tokens(self) -> int:
-        return max(1, self.sinks)
-
-    def load(self, model: Any) -> Predictor:
-        """The predictor trained for this model (memoised per file)."""
-        from kvstack.calibrate.store import model_key
-
-        if not hasattr(model, "config") or not hasattr(model, "named_parameters"):
-            raise UserError("kvzap scores with a predictor trained for the model: build the KVCache from the model")
-        key, name = model_key(model), getattr(model, "kvstack_name", "MODEL")
-        path = Path(self.path) if self.path else find(key, self.name, name)
-        stamp = (str(path), path.stat().st_mtime if path.exists() else 0.0)
-        if stamp not in _MEMO:
-            _MEMO[stamp] = load(path, key, self.name, name)
-        return _MEMO[stamp]
 
     def score(self, obs: Observation) -> torch.Tensor:
-        predictor = obs.tables.get(self.name)
-        if not isinstance(predictor, Predictor):
-            raise UserError("kvzap has no predictor: build the KVCache from the model (KVCache(model, ...))")
-        keys = obs.keys
-        if obs.inv_freq is not None:
-            keys = rotate(keys.float(), -obs.positions.float(), obs.inv_freq)  # back to before RoPE
-        scores = predictor.predict(obs.layer_idx, features(keys, obs.values, obs.valid))
-        sink = obs.valid & (obs.positions < self.sinks)
-        return torch.where(sink, torch.full_like(scores, float("inf")), scores)
+        return self.keep_sinks(obs, self.predicted(obs))

@@ -1,0 +1,69 @@
+"""What every learned scorer shares: its predictor found and loaded once per model, its
+features read from the cache (keys rotated back to before RoPE), the first tokens kept."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvstack.errors import UserError
+from kvstack.methods.base import Method, Observation
+from kvstack.methods.learned.predictor import Predictor, features, find, load
+from kvstack.models.rope import rotate
+
+_MEMO: dict[tuple[str, float], Predictor] = {}
+
+
+@dataclass
+class LearnedScorer(Method):
+    """Base of the scorers whose scores a small predictor per head gives (`kvstack train NAME`).
+
+    Parameters: `path` a predictor file (default: the one trained here for this model, else the
+    one shipped with kvstack); `sinks` first tokens always kept.
+    """
+
+    family = "evict"
+    path: str = ""
+    sinks: int = 4
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.sinks < 0:
+            raise ValueError(f"{self.name}: sinks must be >= 0 (first tokens always kept), got {self.sinks}")
+
+    @property
+    def min_tokens(self) -> int:
+        return max(1, self.sinks)
+
+    def load(self, model: Any) -> Predictor:
+        """The predictor trained for this model (memoised per file)."""
+        from kvstack.calibrate.store import model_key
+
+        if not hasattr(model, "config") or not hasattr(model, "named_parameters"):
+            fix = "build the KVCache from the model"
+            raise UserError(f"{self.name} scores with a predictor trained for the model: {fix}")
+        key, name = model_key(model), getattr(model, "kvstack_name", "MODEL")
+        path = Path(self.path) if self.path else find(key, self.name, name)
+        stamp = (str(path), path.stat().st_mtime if path.exists() else 0.0)
+        if stamp not in _MEMO:
+            _MEMO[stamp] = load(path, key, self.name, name)
+        return _MEMO[stamp]
+
+    def predicted(self, obs: Observation, outputs: int = 1) -> torch.Tensor:
+        """(b, outputs*h, t) the predictor's outputs for every held token: `outputs` blocks of h."""
+        predictor = obs.tables.get(self.name)
+        if not isinstance(predictor, Predictor):
+            raise UserError(f"{self.name} has no predictor: build the KVCache from the model (KVCache(model, ...))")
+        keys = obs.keys
+        if obs.inv_freq is not None:
+            keys = rotate(keys.float(), -obs.positions.float(), obs.inv_freq)  # back to before RoPE
+        x = features(keys, obs.values, obs.valid)  # (b, h, t, F)
+        return predictor.predict(obs.layer_idx, torch.cat([x] * outputs, dim=1) if outputs > 1 else x)
+
+    def keep_sinks(self, obs: Observation, scores: torch.Tensor) -> torch.Tensor:
+        """`scores` (b, h, t) with the first `sinks` tokens scored +inf (always kept)."""
+        sink = obs.valid & (obs.positions < self.sinks)
+        return torch.where(sink, torch.full_like(scores, float("inf")), scores)
