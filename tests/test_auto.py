@@ -184,11 +184,17 @@ LEARNED_AUTO = "auto(tokens=256, samples=1, validate=1, scorers=('kvzap', 'reten
 )
 def test_plan_bytes_equal_the_measured_bytes(tiny, budget, spec):
     cache, _ = _prefill(tiny, spec, budget)
-    if spec == LEARNED_AUTO:  # learned scorers find their predictors in the plan's measurements and its cache
-        assert set(cache.plan.scorers) <= {"kvzap", "retention"}
+    if spec == LEARNED_AUTO:  # the cache hands the learned scorers their predictors
+        assert {"kvzap", "retention"} <= set(cache.policy.tables)
     assert cache.plan.total_bytes == cache.nbytes()
     assert cache.nbytes() <= budget * cache.full_nbytes()
     assert cache.plan.full_bytes == cache.full_nbytes()
+
+
+def test_curves_over_learned_scorers_are_named_by_their_predictors(llama):
+    learned, plain = Stack.parse(LEARNED_AUTO).stages[0], Stack.parse(TINY_AUTO).stages[0]
+    assert plain.kind_for(llama) == plain.kind  # no predictor: the shipped curves' names stay
+    assert learned.kind_for(llama) != learned.kind
 
 
 def test_the_plan_for_a_length_is_what_the_cache_decides(tiny):

@@ -123,8 +123,11 @@ def test_learned_scorers_at_budget_one_are_the_full_cache_and_evict_to_their_bud
     for spec in (name, f"adakv({name})", f"chunk({name},size=4)", f"sentence({name})"):
         cache = KVCache(model, spec, 0.25)
         step_logits(model, cache, ids, follow)
-        counts = cache.layers[0].counts()  # (b, h): adakv moves tokens between a layer's heads
-        assert int(counts.sum()) <= counts.shape[1] * (0.25 * (60 + 12) + 1), spec
+        counts, per_head = cache.layers[0].counts(), 0.25 * (60 + 12) + 1  # counts (b, h)
+        if spec.startswith("adakv"):  # it moves tokens between a layer's heads
+            assert int(counts.sum()) <= counts.shape[1] * per_head, spec
+        else:
+            assert int(counts.max()) <= per_head, spec
 
 
 def test_kvzap_without_a_predictor_names_the_command_that_trains_one():

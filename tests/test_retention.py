@@ -12,11 +12,12 @@ from kvstack.errors import UserError
 from kvstack.methods.base import Observation
 from kvstack.methods.learned.predictor import find, load
 from kvstack.methods.learned.retention import Retention, retained
+from kvstack.models.rope import rotate
 from kvstack.training.fit import fit
-from kvstack.training.teachers import future_mean, log_line, prefill, teacher_scores
+from kvstack.training.teachers import future_mean, log_line, prefill, student_inputs, teacher_scores
 from kvstack.training.train import train
 from test_cache import prompt
-from tiny import tiny_llama
+from tiny import tiny_gemma3, tiny_llama
 
 
 def test_log_line_by_hand():
@@ -111,3 +112,44 @@ def test_retention_scores_scale_plus_age_times_decay(trained):
     age = 50 - torch.arange(50.0)
     assert torch.allclose(scores, outputs[:2] + age * outputs[2:].clamp(max=0), atol=1e-4)
     assert torch.isinf(Retention().score(obs)[0, :, :4]).all()  # sinks kept
+    one_output = load(find(model_key(model), "kvzap"), model_key(model), "kvzap")
+    obs = Observation(layer, layer.counts(), None, tables={"retention": one_output})
+    with pytest.raises(UserError, match="kvstack train retention"):
+        Retention().score(obs)
+
+
+def test_retention_counts_age_in_real_tokens_so_padding_inside_a_batch_changes_no_score(trained):
+    """Row 0 is A, then 3 pads, then B (a chunk left-padded inside the batch); alone it is A B.
+    Its tokens' ages, and so their scores, are the same both ways."""
+    model, result = trained
+    from kvstack.generate import Runner
+
+    predictor = load(result.path, model_key(model), "retention")
+    a, b, other = prompt(20, seed=1), prompt(9, seed=2), prompt(12, seed=3)
+
+    def scores(runner: Runner, row: int) -> torch.Tensor:
+        layer = runner.cache.layers[1]
+        obs = Observation(layer, layer.counts(), runner.cache.seq.token_index(), tables={"retention": predictor})
+        return Retention(sinks=0).score(obs)[row][:, obs.valid[row, 0]]  # (h, real tokens)
+
+    alone = Runner(model, KVCache(model, "full", 1.0))
+    alone.forward(torch.tensor([a + b]), torch.ones(1, 29, dtype=torch.long))
+    batch = Runner(model, KVCache(model, "full", 1.0))
+    batch.forward(torch.tensor([a, prompt(20, seed=4)]), torch.ones(2, 20, dtype=torch.long))
+    chunk = torch.tensor([[0, 0, 0, *b], other])
+    batch.forward(chunk, torch.tensor([[0, 0, 0] + [1] * 9, [1] * 12]))
+    assert torch.allclose(scores(batch, 0), scores(alone, 0), atol=1e-4)
+
+
+def test_student_inputs_of_a_sliding_layer_turn_its_last_tokens_back_by_their_own_positions():
+    model = tiny_gemma3()
+    cache = prefill(model, torch.tensor(prompt(50, seed=2)))
+    inputs = student_inputs(cache)
+    sliding = next(i for i, layer in enumerate(cache.layers) if layer.is_sliding)
+    layer, x = cache.layers[sliding], inputs[sliding]
+    held = x.shape[1]
+    assert held < 50  # the window holds the row's last tokens only
+    d = (x.shape[-1] - 4) // 2
+    positions = torch.arange(50.0 - held, 50.0).expand(x.shape[0], -1)
+    again = rotate(x[..., :d], positions, layer.inv_freq)
+    assert torch.allclose(again, torch.stack([layer.head_keys(h)[0] for h in range(x.shape[0])]), atol=1e-4)

@@ -90,6 +90,12 @@ class Observation:
         return self._layer.valid_mask(self.slots)
 
     @cached_property
+    def next_position(self) -> torch.Tensor:
+        """(b,) position of each sequence's next token (its real tokens so far: padding not counted)."""
+        layer = self._layer
+        return layer.seq.real_counts(layer.seen, layer.batch, device=self.slots.device)
+
+    @cached_property
     def positions(self) -> torch.Tensor:
         """(b, h, t) position of each held token in its sequence (padding not counted)."""
         slots = self.slots.clamp(min=0)

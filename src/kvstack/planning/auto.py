@@ -143,7 +143,18 @@ class Auto(Method):
     @property
     def kind(self) -> str:
         """Name of the saved distortion curves: changes with anything they depend on."""
+        return self._kind()
+
+    def kind_for(self, model: Any) -> str:
+        """`kind`, with the hashes of the learned scorers' predictors for `model`: curves measured
+        with a predictor since trained again are measured again, not read."""
+        hashes = [getattr(m.load(model), "meta", {}).get("sha256", "") for m in self.methods.values()]
+        return self._kind([h for h in hashes if h])
+
+    def _kind(self, predictors: list[str] | None = None) -> str:
         what = f"{self.scorers}|{[str(s) for s in self.storages]}|{self.samples}x{self.tokens}|{self.least}"
+        if predictors:
+            what += f"|{predictors}"
         return f"auto-{_digest(what)}-v4"
 
     def prepare(self, model: Any) -> Calibration | None:
@@ -166,7 +177,8 @@ class Auto(Method):
                 methods = list(self.methods.values())
                 return measure(m, methods, self.storages, self.samples, tokens, self.least, ticker=ticker)
 
-        curves = calibrated(model, self.kind, run)
+        kind = self.kind_for(model)
+        curves = calibrated(model, kind, run)
         if not self.validate:
             return Calibration(curves, None)
 
@@ -188,7 +200,7 @@ class Auto(Method):
         layout = self.layout(model, model.dtype.itemsize, Budget.parse(1.0))
         grid = f"{validation.GRID}|{validation.FACTS}"
         shape = {k: v for k, v in layout.items() if k not in ("model", "budget")}  # the model is the file's key
-        what = f"{self.kind}|{[str(c) for c in self.choices]}|{self.uniform}|{self.validate}|{grid}|{shape}"
+        what = f"{kind}|{[str(c) for c in self.choices]}|{self.uniform}|{self.validate}|{grid}|{shape}"
         return Calibration(curves, calibrated(model, f"auto-valid-{_digest(what)}-v6", check))
 
     def reference_length(self, config: Any) -> int:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from kvstack.cache.cache import KVCache
-from kvstack.cache.statistics import FLOOR, FUTURE
+from kvstack.cache.statistics import FLOOR, FUTURE, HORIZON
 from kvstack.errors import UserError, unknown_name
 from kvstack.generate import Runner
 from kvstack.methods.learned.predictor import features
@@ -51,8 +51,8 @@ def student_inputs(cache: KVCache) -> list[torch.Tensor]:
     for layer in cache.layers:
         keys = torch.stack([layer.head_keys(h)[0] for h in range(layer.n_kv_heads)]).float()  # (h, n, d)
         values = torch.stack([layer.head_values(h)[0] for h in range(layer.n_kv_heads)]).float()
-        if layer.inv_freq is not None:
-            positions = torch.arange(keys.shape[1], device=keys.device).float()
+        if layer.inv_freq is not None:  # a sliding layer holds the row's last tokens: positions start..seen
+            positions = torch.arange(layer.seen - keys.shape[1], layer.seen, device=keys.device).float()
             keys = rotate(keys, -positions.expand(keys.shape[0], -1), layer.inv_freq)
         out.append(features(keys, values).cpu())
     return out
@@ -103,7 +103,8 @@ def cached_scores(model: Any, ids: torch.Tensor, teacher: str, folder: Path) -> 
     import hashlib
 
     name = hashlib.sha1(ids.numpy().tobytes()).hexdigest()[:16]
-    path = folder / f"{teacher}-{name}.pt"
+    what = teacher if teacher == "kvzip" else f"{teacher}{HORIZON}"  # the future teachers read HORIZON queries
+    path = folder / f"{what}-{name}.pt"
     if path.exists():
         try:
             return list(torch.load(path, weights_only=True))

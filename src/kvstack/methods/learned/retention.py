@@ -47,5 +47,5 @@ class Retention(LearnedScorer):
 
     def score(self, obs: Observation) -> torch.Tensor:
         scale, decay = self.predicted(obs, outputs=2).chunk(2, dim=1)
-        age = (obs.seen - obs.slots).clamp(min=1).float()  # tokens between each one and the next query
+        age = (obs.next_position[:, None, None] - obs.positions).clamp(min=1).float()  # real tokens to the next query
         return self.keep_sinks(obs, retained(scale, decay, age))

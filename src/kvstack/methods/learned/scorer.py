@@ -57,6 +57,11 @@ class LearnedScorer(Method):
         predictor = obs.tables.get(self.name)
         if not isinstance(predictor, Predictor):
             raise UserError(f"{self.name} has no predictor: build the KVCache from the model (KVCache(model, ...))")
+        if predictor.w1.shape[1] != outputs * obs.keys.shape[1]:
+            raise UserError(
+                f"{self.name}'s predictor has {predictor.w1.shape[1]} outputs per layer, not {outputs} per KV head "
+                f"({obs.keys.shape[1]}): rebuild it with `kvstack train {self.name}`"
+            )
         keys = obs.keys
         if obs.inv_freq is not None:
             keys = rotate(keys.float(), -obs.positions.float(), obs.inv_freq)  # back to before RoPE
