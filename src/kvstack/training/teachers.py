@@ -70,8 +70,10 @@ def teacher_scores(model: Any, ids: torch.Tensor, teacher: str) -> list[torch.Te
     out = []
     for layer in cache.layers:
         stat = {name: torch.stack([s[0] for s in layer.stats[name]]).float().cpu() for name in FUTURE}
-        scale, decay = log_line(stat["future_count"], stat["future_log"], stat["future_log_age"])
-        out.append(torch.cat([scale, decay]) if teacher == "decay" else future_mean(stat))
+        if teacher == "decay":
+            out.append(torch.cat(log_line(stat["future_count"], stat["future_log"], stat["future_log_age"])))
+        else:
+            out.append(future_mean(stat))
     return out
 
 
