@@ -74,7 +74,27 @@ def test_train_writes_a_predictor_the_method_finds_with_its_header(trained):
     predictor = load(result.path, model_key(model), "kvzap")
     assert predictor.meta["format"] == FORMAT and predictor.meta["teacher"] == "kvzip"
     assert set(json.loads(predictor.meta["held_out"])) == {"kept@0.125", "kept@0.25"}
-    assert predictor.w1.shape == (4, 2, 36, 8)  # 4 layers, 2 KV heads, key + value of head dim 16, 4 more
+    assert predictor.features == "local"  # 4 layers, 2 KV heads; key + value of head dim 16, 4 more, 7 local, squares
+    assert predictor.w1.shape == (4, 2, 4 * 16 + 11, 8)
+
+
+def test_a_predictor_trained_on_the_kv_features_scores_with_them(tmp_path):
+    """Files written before the "local" set (no "features" entry, as kvzap's shipped Qwen2.5-Coder file)
+    and files trained with `--features kv` read the key, the value and the four numbers only."""
+    from kvstack.methods.learned.kvzap import KVzap
+
+    model = tiny_llama()
+    result = train(model, texts=2, held=1, tokens=64, features="kv", out=tmp_path / "kv.safetensors")
+    predictor = load(result.path, model_key(model), "kvzap")
+    assert predictor.features == "kv" and predictor.w1.shape[2] == 2 * 16 + 4
+    assert Predictor(*predictor.tensors().values()).features == "kv"  # no entry: the first set
+    cache = prefill(model, torch.tensor(prompt(50, seed=2)))
+    layer = cache.layers[1]
+    obs = Observation(layer, layer.counts(), None, tables={"kvzap": predictor})
+    expected = predictor.predict(1, student_inputs(cache, "kv")[1][None])[0]
+    assert torch.allclose(KVzap(sinks=0).score(obs)[0], expected, atol=1e-4)
+    with pytest.raises(UserError, match="did you mean local"):
+        train(model, texts=2, held=1, tokens=64, features="locale", out=tmp_path / "x.safetensors")
 
 
 def test_teacher_scores_are_kvzips_reconstruction_scores(trained):
@@ -109,7 +129,7 @@ def test_kvzap_scores_each_token_from_its_key_before_rope_and_its_value(trained)
     scores = KVzap(sinks=0).score(obs)[0]  # (h, t)
     assert torch.allclose(scores, predictor.predict(1, inputs[1][None])[0], atol=1e-4)
     # the features are the keys RoPE rotated back: rotating them forward again gives the cache's keys
-    d = (inputs[1].shape[-1] - 4) // 2
+    d = layer.head_keys(0).shape[-1]
     again = rotate(inputs[1][..., :d], torch.arange(50.0).expand(2, -1), layer.inv_freq)
     assert torch.allclose(again, torch.stack([layer.head_keys(h)[0] for h in range(2)]), atol=1e-4)
 
@@ -189,6 +209,34 @@ def test_context_features_by_hand():
     masked = features(keys, keys, torch.tensor([True, True, False]))  # the anchor and mean norm of the first two
     assert torch.allclose(masked[:, 4], torch.tensor([1.0, 1.0, 0.0]), atol=1e-6)
     assert torch.allclose(masked[:, 5], torch.tensor([1.0, 1.0, 2.0]).log())
+
+
+def test_local_features_by_hand():
+    """The "local" set: "kv", then for the keys and for the values the cosine with the previous
+    token, the cosine with the mean of the window before it and the log distance to that mean,
+    then the log age, then the squares."""
+    keys = torch.tensor([[1.0, 0.0], [1.0, 0.0], [0.0, 2.0]])
+    values = torch.tensor([[0.0, 1.0], [1.0, 1.0], [1.0, 0.0]])
+    ages = torch.tensor([3.0, 2.0, 1.0])
+    x = features(keys, values, None, ages, "local")  # (3, 4d + 11) with d = 2
+    assert x.shape == (3, 4 * 2 + 11) and torch.equal(x[:, :8], features(keys, values))
+    # keys: token 0 is its own previous (cosine 1) and has no window (mean 0: cosine 0, distance its norm);
+    # token 1 follows [1, 0] (cosine 1, distance 0); token 2 follows [1, 0] twice: mean [1, 0]
+    assert torch.allclose(x[:, 8], torch.tensor([1.0, 1.0, 0.0]), atol=1e-6)
+    assert torch.allclose(x[:, 9], torch.tensor([0.0, 1.0, 0.0]), atol=1e-6)
+    assert torch.allclose(x[:, 10], torch.tensor([1.0, 1e-6, 5**0.5]).log(), atol=1e-5)
+    # values: previous of token 1 is [0, 1] (cosine 1/sqrt 2); token 2's window mean is [0.5, 1]
+    r2, mean = 2**0.5, torch.tensor([0.5, 1.0])
+    assert torch.allclose(x[:, 11], torch.tensor([1.0, 1 / r2, 1 / r2]), atol=1e-6)
+    assert torch.allclose(x[2, 12], torch.nn.functional.cosine_similarity(values[2], mean, dim=0))
+    assert torch.allclose(x[2, 13], (values[2] - mean).norm().log())
+    assert torch.allclose(x[:, 14], ages.log())
+    assert torch.equal(x[:, 15:17], keys * keys) and torch.equal(x[:, 17:], values * values)
+    # a padded token counts in no window: masking token 1 leaves token 2 with token 0's mean
+    masked = features(keys, values, torch.tensor([True, False, True]), ages, "local")
+    assert torch.allclose(masked[2, 12], torch.nn.functional.cosine_similarity(values[2], values[0], dim=0))
+    with pytest.raises(UserError, match="unknown predictor features"):
+        features(keys, values, None, ages, "kvv")
 
 
 @pytest.mark.slow

@@ -149,7 +149,8 @@ def test_student_inputs_of_a_sliding_layer_turn_its_last_tokens_back_by_their_ow
     layer, x = cache.layers[sliding], inputs[sliding]
     held = x.shape[1]
     assert held < 50  # the window holds the row's last tokens only
-    d = (x.shape[-1] - 4) // 2
+    d = layer.head_keys(0).shape[-1]
     positions = torch.arange(50.0 - held, 50.0).expand(x.shape[0], -1)
     again = rotate(x[..., :d], positions, layer.inv_freq)
     assert torch.allclose(again, torch.stack([layer.head_keys(h)[0] for h in range(x.shape[0])]), atol=1e-4)
+    assert torch.allclose(x[..., 2 * d + 10], (50.0 - positions).log())  # their ages up to the next query

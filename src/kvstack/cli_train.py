@@ -22,6 +22,10 @@ def train(
     tokens: Annotated[int, typer.Option(help="tokens per row")] = 1024,
     hidden: Annotated[int, typer.Option(help="MLP width per head (0: linear, solved exactly)")] = 0,
     steps: Annotated[int, typer.Option(help="training steps (mini-batches of 4096 tokens)")] = 400,
+    features: Annotated[
+        str | None,
+        typer.Option(help="what the predictor reads: local (neighbours, age, squares; kvzap's) or kv (retention's)"),
+    ] = None,
     output: Annotated[
         Path | None, typer.Option("--out", "-o", help="file to write (default: where the method finds it)")
     ] = None,
@@ -38,7 +42,7 @@ def train(
             raise unknown_name("trainable method", method, list(TRAINABLE))
         with err.status(f"loading {model}"):
             lm = load(model)
-        result = train(lm.model, method, teacher, texts, held, tokens, hidden, steps, output)
+        result = train(lm.model, method, teacher, texts, held, tokens, hidden, steps, output, features)
     except UserError as e:
         fail(str(e))
         return

@@ -43,18 +43,20 @@ def prefill(model: Any, ids: torch.Tensor, observe: frozenset[str] = frozenset()
     return cache
 
 
-def student_inputs(cache: KVCache) -> list[torch.Tensor]:
-    """Per layer (h, n, 2d + 4) float32 on the CPU: each token's `features` (key before RoPE, value, how
-    it stands among the head's tokens), for a
-    full cache holding one row from position 0."""
+def student_inputs(cache: KVCache, kind: str = "local") -> list[torch.Tensor]:
+    """Per layer (h, n, F) float32 on the CPU: each token's `features` of the set `kind` (key
+    before RoPE, value, how it stands among the head's tokens...), for a full cache holding one
+    row from position 0, the next query just after it."""
     out = []
     for layer in cache.layers:
         keys = torch.stack([layer.head_keys(h)[0] for h in range(layer.n_kv_heads)]).float()  # (h, n, d)
         values = torch.stack([layer.head_values(h)[0] for h in range(layer.n_kv_heads)]).float()
-        if layer.inv_freq is not None:  # a sliding layer holds the row's last tokens: positions start..seen
-            positions = torch.arange(layer.seen - keys.shape[1], layer.seen, device=keys.device).float()
+        # a sliding layer holds the row's last tokens: positions start..seen
+        positions = torch.arange(layer.seen - keys.shape[1], layer.seen, device=keys.device).float()
+        if layer.inv_freq is not None:
             keys = rotate(keys, -positions.expand(keys.shape[0], -1), layer.inv_freq)
-        out.append(features(keys, values).cpu())
+        ages = (layer.seen - positions).expand(keys.shape[0], -1)
+        out.append(features(keys, values, None, ages, kind).cpu())
     return out
 
 

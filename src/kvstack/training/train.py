@@ -15,11 +15,14 @@ from kvstack.cache.statistics import HORIZON
 from kvstack.calibrate.prose import calibration_ids
 from kvstack.calibrate.store import Ticker, calibration_dir, model_key
 from kvstack.errors import UserError, unknown_name
-from kvstack.methods.learned.predictor import Predictor, predictor_path
+from kvstack.methods.learned.predictor import FEATURE_SETS, Predictor, predictor_path
 from kvstack.training.fit import fit_layers, kept_overlap
 from kvstack.training.teachers import TEACHERS, cached_scores, check_teacher, prefill, student_inputs
 
 TRAINABLE = {"kvzap": "kvzip", "retention": "decay"}  # learned scorer -> its default teacher (its outputs' width)
+# learned scorer -> the features it reads by default: retention's gate reads a token as it is
+# written (its age enters through its decay alone), kvzap's reads its neighbours and age too
+READS = {"kvzap": "local", "retention": "kv"}
 FRACTIONS = (0.125, 0.25)  # held-out check: the teacher's kept set at these budgets
 
 
@@ -44,9 +47,11 @@ def train(
     hidden: int = 0,
     steps: int = 400,
     out: Path | None = None,
+    features: str | None = None,
 ) -> Trained:
     """Train `method`'s predictor for `model` on `texts` State of the Union rows of `tokens` tokens
-    scored by `teacher`, check it on `held` other rows, save it (`out`, else where `kvzap` finds it)."""
+    scored by `teacher`, check it on `held` other rows, save it (`out`, else where `kvzap` finds it).
+    The predictor reads the `features` set named (default: the method's, READS)."""
     if method not in TRAINABLE:
         raise unknown_name("trainable method", method, list(TRAINABLE))
     teacher = check_teacher(teacher or TRAINABLE[method])
@@ -57,6 +62,9 @@ def train(
         raise UserError(f"{method} learns {outputs} output(s) per head, {gives}: use {', '.join(fits)}")
     if texts < 1 or held < 1 or tokens < 32 or hidden < 0 or steps < 1:
         raise UserError("train on texts >= 1 rows, held >= 1 held-out rows, tokens >= 32, hidden >= 0, steps >= 1")
+    features = features or READS[method]
+    if features not in FEATURE_SETS:
+        raise unknown_name("feature set", features, list(FEATURE_SETS))
     key = model_key(model)
     rows = calibration_ids(model, texts, tokens, skip=held)  # the held-out rows are the newest addresses
     checks = calibration_ids(model, held, tokens)
@@ -66,7 +74,8 @@ def train(
     with torch.no_grad(), Ticker(f"{method}: {teacher} scores and inputs", len(rows) + len(checks)) as ticker:
         for ids in rows + checks:
             targets.append(cached_scores(model, ids, teacher, folder))  # per layer (h, n_l)
-            inputs.append([torch.cat([x] * outputs) for x in student_inputs(prefill(model, ids))])  # (o*h, n_l, F)
+            row = student_inputs(prefill(model, ids), features)  # per layer (h, n_l, F)
+            inputs.append([torch.cat([x] * outputs) for x in row])  # (o*h, n_l, F)
             ticker.advance()
     teacher_s = time.monotonic() - started
     started = time.monotonic()
@@ -83,6 +92,7 @@ def train(
         "model_key": key,
         "model": getattr(model, "kvstack_name", ""),
         "teacher": teacher,
+        "features": features,
         "horizon": "" if teacher == "kvzip" else str(HORIZON),
         "texts": str(texts),
         "tokens": str(tokens),

@@ -24,7 +24,9 @@ class KVzap(LearnedScorer):
     layer's hidden state (D wide); here it reads the token's key before RoPE and its value (2d
     per head, a linear image of that hidden state) which the cache already holds, so nothing is
     hooked into the model, plus four numbers on how the token stands among its head's tokens
-    (cosines with the mean key and value directions, norms over the mean norms: `features`).
+    (cosines with the mean key and value directions, norms over the mean norms), and, in the
+    "local" set `kvstack train kvzap` fits by default, how it stands among the tokens just before
+    it, its age and its squared coordinates (`features`; shipped files written before read "kv").
     The paper's teacher is KVzip+ (an improved KVzip); here it is KVzip's score as kvstack
     computes it (max attention of the repeat queries), on State of the Union addresses, which no
     benchmark task uses; `kvstack train kvzap --teacher future` fits it to the attention of the

@@ -65,7 +65,8 @@ class LearnedScorer(Method):
         keys = obs.keys
         if obs.inv_freq is not None:
             keys = rotate(keys.float(), -obs.positions.float(), obs.inv_freq)  # back to before RoPE
-        x = features(keys, obs.values, obs.valid)  # (b, h, t, F)
+        ages = obs.next_position[:, None, None] - obs.positions  # (b, h, t) tokens up to the next query
+        x = features(keys, obs.values, obs.valid, ages, predictor.features)  # (b, h, t, F)
         return predictor.predict(obs.layer_idx, torch.cat([x] * outputs, dim=1) if outputs > 1 else x)
 
     def keep_sinks(self, obs: Observation, scores: torch.Tensor) -> torch.Tensor:
