@@ -162,6 +162,17 @@ def test_a_models_calibrations_do_not_depend_on_where_it_was_loaded_from():
     assert calibrate.model_key(a) != calibrate.model_key(b)  # a later layer's queries tell models apart too
 
 
+def test_a_models_calibrations_do_not_depend_on_its_dtype():
+    # a CPU without bf16 loads the packaged models in float32: the tables and predictors shipped
+    # for the bf16 load must still be found (they were not: `kvzap` had no predictor, `auto` measured)
+    from tiny import tiny_llama
+
+    a = tiny_llama(seed=0)
+    b = tiny_llama(seed=0).to(torch.bfloat16)
+    assert next(a.parameters()).dtype == torch.float32
+    assert calibrate.model_key(a) == calibrate.model_key(b)
+
+
 def test_a_model_read_after_its_bos_has_its_own_calibrations():
     # calibration rows start with the prefix the model's prompts have (Gemma 3's BOS): tables
     # measured without it (garbage for Gemma 3) are not reused

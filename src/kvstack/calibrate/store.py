@@ -57,9 +57,9 @@ def _probes(model: Any) -> list[torch.Tensor]:
 
 
 def model_key(model: Any) -> str:
-    """`<model type>-<12 hex>`: a hash of the model's shape and query weights. Not its name or
-    folder: the first load of a packaged model (from its GGUF) and every later one (from the
-    converted folder) share their tables, as the same weights anywhere do."""
+    """`<model type>-<12 hex>`: a hash of the model's shape and query weights. Not its name, folder
+    or dtype: the first load of a packaged model (from its GGUF) and every later one (from the
+    converted folder), in bfloat16 or float32, share their tables, as the same weights anywhere do."""
     config = text_config(model.config)
     layers = config.num_hidden_layers
     kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
@@ -68,7 +68,8 @@ def model_key(model: Any) -> str:
     if prefix:  # tables are measured on rows starting with it
         ident += f"|prefix{prefix}"
     for probe in _probes(model):
-        w = probe.detach().double()
+        # rounded to bfloat16 first: a float32 load (a CPU without bf16) names the same weights as a bf16 one
+        w = probe.detach().to(torch.bfloat16).double()
         ident += f"|{tuple(w.shape)}|{float(w.sum()):.12e}|{float(w.abs().sum()):.12e}"
     slug = re.sub(r"[^A-Za-z0-9._-]+", "_", str(config.model_type))[-48:]
     return f"{slug}-{hashlib.sha1(ident.encode()).hexdigest()[:12]}"
