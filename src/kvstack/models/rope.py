@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+_TURNS: dict[tuple[bytes, str], torch.Tensor] = {}
+
 
 def layer_frequencies(model_or_config: Any, layer_types: list[str], head_dim: int) -> list[torch.Tensor | None]:
     """Per layer, the inverse frequencies (d/2,) its RoPE uses, read from the model's rotary module
@@ -45,3 +47,16 @@ def rotate(x: torch.Tensor, shift: torch.Tensor | float, inv_freq: torch.Tensor)
     cos, sin = torch.cos(angle), torch.sin(angle)
     x1, x2 = x[..., :half].float(), x[..., half:].float()
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+def turns(inv_freq: torch.Tensor, count: int) -> torch.Tensor:
+    """(P, d) float32 for positions 0..P-1, P >= count: the cosines then the sines of position x
+    inv_freq, as `rotate` computes them; kept per frequencies and grown by doubling, so a kernel
+    that turns keys by their positions reads a table instead of computing them at every call."""
+    key = (inv_freq.detach().float().cpu().numpy().tobytes(), str(inv_freq.device))
+    table = _TURNS.get(key)
+    if table is None or table.shape[0] < count:
+        size = 1 << max(count - 1, 1).bit_length()
+        angle = torch.arange(size, dtype=torch.float32, device=inv_freq.device)[:, None] * inv_freq.float()
+        table = _TURNS[key] = torch.cat([torch.cos(angle), torch.sin(angle)], -1).contiguous()
+    return table

@@ -21,7 +21,7 @@ from kvstack.cache.cache import KVCache
 from kvstack.cache.statistics import FLOOR, FUTURE, HORIZON
 from kvstack.errors import UserError, unknown_name
 from kvstack.generate import Runner
-from kvstack.methods.learned.predictor import features
+from kvstack.methods.learned.features import features
 from kvstack.models.rope import rotate
 
 TEACHERS = {"kvzip": 1, "future": 1, "decay": 2}  # name -> outputs per KV head

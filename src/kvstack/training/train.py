@@ -15,7 +15,8 @@ from kvstack.cache.statistics import HORIZON
 from kvstack.calibrate.prose import calibration_ids
 from kvstack.calibrate.store import Ticker, calibration_dir, model_key
 from kvstack.errors import UserError, unknown_name
-from kvstack.methods.learned.predictor import FEATURE_SETS, Predictor, predictor_path
+from kvstack.methods.learned.features import FEATURE_SETS
+from kvstack.methods.learned.predictor import Predictor, predictor_path
 from kvstack.training.fit import fit_layers, kept_overlap
 from kvstack.training.teachers import TEACHERS, cached_scores, check_teacher, prefill, student_inputs
 

@@ -21,6 +21,9 @@ import torch
 from torch.nn import functional as F
 
 from kvstack.errors import UserError
+from kvstack.methods.learned.features import features as token_features
+from kvstack.methods.learned.features import kernel_scores, linear_scores
+from kvstack.models.rope import rotate
 
 FORMAT = "1"  # bump when a file written now could not be read back by the code that reads it
 SHIPPED = Path(__file__).resolve().parent / "shipped"  # predictors trained for the registered models
@@ -54,18 +57,53 @@ class Predictor:
     def tensors(self) -> dict[str, torch.Tensor]:
         return {name: getattr(self, name) for name in NAMES}
 
-    def predict(self, layer: int, x: torch.Tensor) -> torch.Tensor:
-        """(b, h, t) scores of layer `layer` from features x (b, h, t, F)."""
-        p = self._on.get(x.device)
-        if p is None:  # moved to a device once, not at every call
-            p = self._on[x.device] = {name: t.float().to(x.device) for name, t in self.tensors().items()}
-            if self.linear:  # the standardisation folded into the weights: one product, no copy of x
+    def on(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """The weights on `device` (moved once, not at every call); a linear network's standardisation
+        folded into its weights: "weight" (L, h, F, 1), "bias" (L, h)."""
+        p = self._on.get(device)
+        if p is None:
+            p = self._on[device] = {name: t.float().to(device) for name, t in self.tensors().items()}
+            if self.linear:
                 w = p["w1"][..., 0] / p["std"]  # (L, h, F)
                 p["weight"], p["bias"] = w[..., None], p["b2"] - (p["mean"] * w).sum(-1)
+        return p
+
+    def predict(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        """(b, h, t) scores of layer `layer` from features x (b, h, t, F)."""
+        p = self.on(x.device)
         if self.linear:
             return (x.float() @ p["weight"][layer]).squeeze(-1) + p["bias"][layer][:, None]
         z = (x.float() - p["mean"][layer][:, None]) / p["std"][layer][:, None]
         return forward(z, p["w1"][layer], p["b1"][layer], p["w2"][layer], p["b2"][layer])
+
+    def score(
+        self,
+        layer: int,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        valid: torch.Tensor,
+        ages: torch.Tensor,
+        positions: torch.Tensor,
+        inv_freq: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """(b, o*h, t) the outputs of layer `layer` for held tokens: keys after RoPE (before it
+        when `inv_freq` is None) and values (b, h, t, d), `valid`, `ages` and `positions`
+        (b, h, t); o = the predictor's heads over h (its outputs per KV head, in blocks of h). A
+        linear network is summed feature by feature, never writing the (t, F) matrix (the C
+        kernel, else `linear_scores`): the scoring a compression pays for; an MLP reads the matrix."""
+        h = keys.shape[1]
+        o = self.w1.shape[1] // h
+        if self.linear:
+            p = self.on(keys.device)
+            weight = p["weight"][layer][..., 0].reshape(o, h, -1).permute(1, 2, 0)  # (h, F, o)
+            out = kernel_scores(keys, values, valid, ages, self.features, weight, positions, inv_freq)
+            if out is None:
+                pre = rotate(keys.float(), -positions.float(), inv_freq) if inv_freq is not None else keys
+                out = linear_scores(pre, values, valid, ages, self.features, weight)  # (b, h, t, o)
+            return out.permute(0, 3, 1, 2).flatten(1, 2) + p["bias"][layer][:, None]
+        pre = rotate(keys.float(), -positions.float(), inv_freq) if inv_freq is not None else keys
+        x = token_features(pre, values, valid, ages, self.features)
+        return self.predict(layer, torch.cat([x] * o, dim=1) if o > 1 else x)
 
     def save(self, path: Path) -> None:
         """Write the weights and the header (atomically: a partial file is never left at `path`)."""
@@ -86,73 +124,6 @@ def forward(z: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tenso
         return (z @ w1).squeeze(-1) + b2[..., :, None]
     hidden = F.gelu(z @ w1 + b1[..., :, None, :])
     return (hidden * w2[..., :, None, :]).sum(-1) + b2[..., :, None]
-
-
-FEATURE_SETS = ("kv", "local")  # what a predictor reads; files without the "features" entry read "kv"
-WINDOW = 16  # the tokens before a token whose mean the "local" features compare it with
-
-
-def features(
-    pre_rope_keys: torch.Tensor,
-    values: torch.Tensor,
-    valid: torch.Tensor | None = None,
-    ages: torch.Tensor | None = None,
-    kind: str = "kv",
-) -> torch.Tensor:
-    """(..., t, F) a token's features, keys before RoPE and values (..., t, d), `valid` (..., t)
-    (default all). "kv" (F = 2d + 4): the key and the value, then how the token stands among the
-    head's tokens: the cosine of its key and of its value with their mean directions (KeyDiff's
-    anchor), and the log of their norms over the mean norms. A token alone cannot say it is rare;
-    these can. "local" (F = 4d + 11) adds how it stands among its neighbours (`neighbours`), the
-    log of its age `ages` (..., t) (tokens from it to the next query, >= 1) and the squares of
-    the key's and value's coordinates: on held-out prose they keep 65% of KVzip's kept set at
-    1/8 against 57% ("kv")."""
-    if kind not in FEATURE_SETS:
-        raise UserError(f"unknown predictor features {kind!r}: this kvstack reads {', '.join(FEATURE_SETS)}")
-    if kind == "local" and ages is None:
-        raise ValueError("the local features need each token's age")
-    k, v = pre_rope_keys.float(), values.float()
-    d = k.shape[-1]
-    mask = torch.ones(k.shape[:-1], dtype=torch.bool, device=k.device) if valid is None else valid
-    out = k.new_empty(*k.shape[:-1], 2 * d + 4 if kind == "kv" else 4 * d + 11)  # filled in place: no concatenation
-    out[..., :d], out[..., d : 2 * d] = k, v
-    count = mask.sum(-1, keepdim=True).clamp(min=1)
-    for i, x in enumerate((k, v)):
-        norm = x.norm(dim=-1).clamp(min=1e-6)  # (..., t)
-        anchor = ((x / norm[..., None]) * mask[..., None]).sum(-2, keepdim=True) / count[..., None]
-        out[..., 2 * d + 2 * i] = cosine(x, anchor, norm, anchor.norm(dim=-1))
-        out[..., 2 * d + 2 * i + 1] = (norm / ((norm * mask).sum(-1, keepdim=True) / count)).log()
-        if kind == "local":
-            out[..., 2 * d + 4 + 3 * i : 2 * d + 7 + 3 * i] = neighbours(x, mask, norm)
-            out[..., 2 * d + 11 + i * d : 2 * d + 11 + (i + 1) * d] = x * x
-    if kind == "local":
-        out[..., 2 * d + 10] = ages.float().clamp(min=1).log()
-    return out
-
-
-def cosine(x: torch.Tensor, y: torch.Tensor, x_norm: torch.Tensor, y_norm: torch.Tensor) -> torch.Tensor:
-    """(...) the cosine of x and y (..., d) with their norms (...) given (0 where either is 0)."""
-    return (x * y).sum(-1) / (x_norm * y_norm).clamp(min=1e-8)
-
-
-def neighbours(x: torch.Tensor, mask: torch.Tensor, norm: torch.Tensor) -> torch.Tensor:
-    """(..., t, 3) how each token of x (..., t, d), of norms `norm` (..., t), differs from the held
-    tokens just before it (`mask` (..., t) the real ones): the cosine with the previous token, the
-    cosine with the mean of the WINDOW before it, and the log of the distance to that mean. A fact
-    in prose is where the text changes."""
-    real = x * mask[..., None]
-    t = x.shape[-2]
-    previous = torch.cat([real[..., :1, :], real[..., :-1, :]], dim=-2)
-    previous_norm = torch.cat([norm[..., :1], norm[..., :-1]], dim=-1) * torch.cat([mask[..., :1], mask[..., :-1]], -1)
-    sums = torch.cat([torch.zeros_like(real[..., :1, :]), real.cumsum(-2)], dim=-2)  # (..., t + 1, d): sums before
-    counts = torch.cat([torch.zeros_like(mask[..., :1]), mask.cumsum(-1)], dim=-1).float()
-    lag = min(WINDOW, t)  # the sums WINDOW tokens back: the first token's until then (slices, not gathers)
-    back = torch.cat([sums[..., :1, :].expand(*sums.shape[:-2], lag, -1), sums[..., : t - lag, :]], dim=-2)
-    back_counts = torch.cat([counts[..., :1].expand(*counts.shape[:-1], lag), counts[..., : t - lag]], dim=-1)
-    mean = (sums[..., :t, :] - back) / (counts[..., :t] - back_counts).clamp(min=1)[..., None]
-    mean_norm = mean.norm(dim=-1)
-    distance = (x - mean).norm(dim=-1).clamp(min=1e-6).log()
-    return torch.stack([cosine(x, previous, norm, previous_norm), cosine(x, mean, norm, mean_norm), distance], -1)
 
 
 def digest(tensors: dict[str, torch.Tensor]) -> str:

@@ -11,8 +11,7 @@ import torch
 
 from kvstack.errors import UserError
 from kvstack.methods.base import Method, Observation
-from kvstack.methods.learned.predictor import Predictor, features, find, load
-from kvstack.models.rope import rotate
+from kvstack.methods.learned.predictor import Predictor, find, load
 
 _MEMO: dict[tuple[str, float], Predictor] = {}
 
@@ -62,12 +61,8 @@ class LearnedScorer(Method):
                 f"{self.name}'s predictor has {predictor.w1.shape[1]} outputs per layer, not {outputs} per KV head "
                 f"({obs.keys.shape[1]}): rebuild it with `kvstack train {self.name}`"
             )
-        keys = obs.keys
-        if obs.inv_freq is not None:
-            keys = rotate(keys.float(), -obs.positions.float(), obs.inv_freq)  # back to before RoPE
         ages = obs.next_position[:, None, None] - obs.positions  # (b, h, t) tokens up to the next query
-        x = features(keys, obs.values, obs.valid, ages, predictor.features)  # (b, h, t, F)
-        return predictor.predict(obs.layer_idx, torch.cat([x] * outputs, dim=1) if outputs > 1 else x)
+        return predictor.score(obs.layer_idx, obs.keys, obs.values, obs.valid, ages, obs.positions, obs.inv_freq)
 
     def keep_sinks(self, obs: Observation, scores: torch.Tensor) -> torch.Tensor:
         """`scores` (b, h, t) with the first `sinks` tokens scored +inf (always kept)."""
