@@ -204,6 +204,41 @@ def test_the_plan_for_a_length_is_what_the_cache_decides(tiny):
     assert planned.total_bytes == cache.nbytes()
 
 
+def test_a_plan_is_solved_once_per_budget_and_rescaled_to_each_context(tiny, monkeypatch):
+    """The decision at the reference length is pure: caches of other lengths at the same budget
+    reuse it (one solve), and hold what a fresh solve for their length gives."""
+    from kvstack.planning import auto
+
+    solved = []
+    original = auto.Auto.solve
+    monkeypatch.setattr(auto, "_SOLVED", {})
+    monkeypatch.setattr(auto.Auto, "solve", lambda self, *args: solved.append(1) or original(self, *args))
+    _prefill(tiny, TINY_AUTO, 0.125, n=600)  # measures the model (its validation solves too), then decides
+    solved.clear()
+    shorter, _ = _prefill(tiny, TINY_AUTO, 0.125, n=500)
+    assert not solved
+    monkeypatch.setattr(auto, "_SOLVED", {})
+    fresh = Stack.parse(TINY_AUTO).stages[0].plan_for(tiny, Budget.parse(0.125), 500)
+    assert len(solved) == 1 and fresh.tokens == shorter.plan.tokens and fresh.storages == shorter.plan.storages
+    assert shorter.plan.chosen == fresh.chosen
+
+
+def test_queries_are_kept_only_while_the_plan_may_read_them(tiny):
+    """auto's candidates include snapkv, so the cache keeps the last queries; once the plan is
+    decided without a scorer that reads them, decoding steps stop copying them."""
+    from dataclasses import replace
+
+    cache, runner = _prefill(tiny, TINY_AUTO, 0.125)
+    planner = cache.policy.shares.planner
+    for scorers, reads in ((["snapkv"], True), (["kvzip"], False)):
+        planner.plan = replace(planner.plan, scorers=scorers * len(cache.layers))
+        planner.__dict__.pop("query_window", None)
+        before = [layer.query_slots.clone() for layer in cache.layers]
+        runner.forward(torch.randint(0, 97, (1, 1)), torch.ones(1, 1, dtype=torch.long))
+        moved = [not torch.equal(old, layer.query_slots) for old, layer in zip(before, cache.layers, strict=True)]
+        assert cache.policy.reads_queries is reads and all(moved) is reads and any(moved) is reads
+
+
 def test_the_budget_holds_at_every_decoding_step(tiny):
     cache, runner = _prefill(tiny, TINY_AUTO, 0.125)
     for _ in range(64):

@@ -5,15 +5,18 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from helpers import layer_with
 from kvstack.cache.cache import KVCache
 from kvstack.cache.encoded import Uniform, Where, gather_rows, minmax
 from kvstack.cache.packing import BIT_WIDTHS, chunk_table, lookup, pack, packed_size, unpack, unpack_float
 from kvstack.errors import UserError
 from kvstack.generate import Runner
+from kvstack.methods.quantize.base import Quantizer
 from kvstack.methods.quantize.cq import CodebookCodec
 from kvstack.methods.quantize.gear import GearCodec
 from kvstack.methods.quantize.quantile import QuantileCodec
 from kvstack.methods.quantize.squat import SquatCodec
+from kvstack.methods.quantize.turboquant import TurboCodec
 from kvstack.methods.registry import all_methods
 from kvstack.stack import Stack
 
@@ -415,3 +418,34 @@ def test_a_padded_batch_under_mikv_holds_its_budget_and_carries_no_empty_places(
                 if part.demoted:
                     assert bool((slots[:, at : at + part.n] >= 0).any(0).all())
                 at += part.n
+
+
+@pytest.mark.parametrize("codec", ["kivi", "turbo", "squat"])
+def test_heads_encoded_in_one_call_hold_what_each_head_encoded_alone_holds(codec):
+    """`encode_heads` lays the heads' rows along the batch for codecs that code rows on their own
+    (KIVI's groups, TurboQuant's tokens): the same codes, scales and storage as head by head.
+    SQuat's codes read each head's queries: it goes head by head, and says so."""
+    g = torch.Generator().manual_seed(0)
+    keys, values = torch.randn(2, 3, 70, 16, generator=g), torch.randn(2, 3, 70, 16, generator=g)
+    queries = torch.randn(2, 3, 4, 16, generator=g)
+    pair = {
+        "kivi": (Uniform(4, "channel", 32), Uniform(2, "token", 16)),
+        "turbo": (TurboCodec(3), TurboCodec(2)),
+        "squat": (SquatCodec(2, 32, 8, 4, 1.0), Uniform(2, "token", 16)),
+    }[codec]
+    assert all(c.rows_alike for c in pair) == (codec != "squat")
+    together, alone = layer_with(keys, values, queries=queries), layer_with(keys, values, queries=queries)
+    together.encode_heads([(0, 64, pair), (1, 64, pair), (2, 32, pair)], Quantizer(), together.queries)
+    for h, count in ((0, 64), (1, 64), (2, 32)):
+        alone.encode_oldest(h, count, Quantizer(), pair, alone.queries[:, h : h + 1])
+    for h in range(3):
+        assert torch.equal(together.keys[h], alone.keys[h]) and torch.equal(together.values[h], alone.values[h])
+        (a,), (b,) = together.coded[h], alone.coded[h]
+        assert a.n == b.n and a.keys.where.head == b.keys.where.head == h
+        for x, y in ((a.keys, b.keys), (a.values, b.values)):
+            for name in x.tokens:
+                assert torch.equal(x.tokens[name], y.tokens[name]), name
+            for name in x.groups:
+                assert torch.equal(x.groups[name], y.groups[name]), name
+        assert torch.equal(together.head_keys(h), alone.head_keys(h))
+    assert together.nbytes() == alone.nbytes()

@@ -209,7 +209,7 @@ class KVCache(Cache):
         """
         if query.shape[2] > 1:  # a prompt chunk: the cache is at its fullest before this layer compresses
             self.peak_nbytes = max(self.peak_nbytes, self.nbytes())
-        window_q, needs = self.query_window, self.needs & statistics.STATISTICS
+        window_q, needs = self.query_window if self.policy.reads_queries else 0, self.needs & statistics.STATISTICS
         if window_q or needs:  # else nothing to record, and no clock to read (a GPU step pays per event)
             started = self.compress_clock.start(query.device)
             layer.observe_queries(query.detach(), query_slots, window_q)

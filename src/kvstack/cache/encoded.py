@@ -47,6 +47,9 @@ class Codec:
     # rule-only: its tensors read no per-head table, so several heads' parts decode as one batch
     # (`coded.decode_heads`) when `same` holds
     batchable: bool = False
+    # its `encode` reads nothing of `where` (no table, query or position) and codes each batch row
+    # on its own: several heads' tokens encode in one call, their rows laid along the batch
+    rows_alike: bool = False
 
     def encode(self, x: torch.Tensor, where: Where) -> Encoded:
         raise NotImplementedError
@@ -218,6 +221,16 @@ class Encoded:
             shared=other.shared,
         )
 
+    def batch_rows(self, start: int, stop: int, head: int) -> Encoded:
+        """Batch rows start..stop of these tokens (views), as head `head`'s: several heads encoded
+        in one call, their rows laid along the batch, split back."""
+        return replace(
+            self,
+            where=Where(self.where.layer, head, self.where.kind, inv_freq=self.where.inv_freq),
+            tokens={k: v[start:stop] for k, v in self.tokens.items()},
+            groups={k: v[start:stop] for k, v in self.groups.items()},
+        )
+
     def select_batch(self, index: torch.Tensor) -> Encoded:
         """Keep only batch rows `index`."""
         return replace(
@@ -265,7 +278,7 @@ class Uniform(Codec):
         self.bits, self.axis, self.group = bits, axis, group
         self.token_group = group if axis == "channel" else 1
 
-    batchable = True
+    batchable = rows_alike = True
 
     def __repr__(self) -> str:
         return f"Uniform({self.bits}, {self.axis}, {self.group})"

@@ -339,6 +339,50 @@ class CompressedLayer:
         self.keys = self.keys.with_head(h, self.keys[h][:, count:].clone())
         self.values = self.values.with_head(h, self.values[h][:, count:].clone())
 
+    def encode_heads(
+        self, jobs: list[tuple[int, int, tuple[Codec, Codec]]], quantizer: Any, queries: torch.Tensor | None
+    ) -> None:
+        """`encode_oldest` for several heads, jobs (head, count, codecs): heads moving as many
+        tokens into the last part of the same codecs (or a first one), by a quantizer and codecs
+        that code each row on its own (`rows_alike`), are encoded in one call, their rows laid
+        along the batch (one encode a layer, not one a head); the others one by one.
+        queries: (b, h*g, w, d) the layer's observed queries, or None."""
+        alike_: dict[tuple[int, int], list[int]] = {}  # (count, codecs) -> heads
+        for h, count, pair in jobs:
+            last = len(self.coded[h]) - 1
+            joins = self._part_for(h, *pair) in (None, last)
+            if joins and all(c.rows_alike for c in pair) and quantizer.rows_alike:
+                alike_.setdefault((count, id(pair)), []).append(h)
+                continue
+            g = self.groups
+            mine = queries[:, h * g : (h + 1) * g] if queries is not None else None
+            self.encode_oldest(h, count, quantizer, pair, mine)
+        codecs = {id(pair): pair for _, _, pair in jobs}
+        for (count, key), heads in alike_.items():
+            self._encode_stacked(heads, count, codecs[key])
+
+    def _encode_stacked(self, heads: list[int], count: int, codecs: tuple[Codec, Codec]) -> None:
+        """Heads' `count` oldest plain tokens encoded in one call per codec, (len(heads) * b, count, d)."""
+        b = self.batch
+        where = Where(self.layer_idx, heads[0], "key", inv_freq=self.inv_freq)
+        keys = torch.cat([self.keys[h][:, :count] for h in heads])
+        values = torch.cat([self.values[h][:, :count] for h in heads])
+        value_where = Where(self.layer_idx, heads[0], "value", inv_freq=self.inv_freq)
+        enc_k, enc_v = codecs[0].encode(keys, where), codecs[1].encode(values, value_where)
+        for i, h in enumerate(heads):
+            part = Coded(enc_k.batch_rows(i * b, (i + 1) * b, h), enc_v.batch_rows(i * b, (i + 1) * b, h))
+            at = self._part_for(h, *codecs)
+            if at is None:
+                self.coded[h].append(part)
+            else:
+                self.coded[h][at] = self.coded[h][at].cat(part)
+        if len(heads) == self.n_kv_heads and self.keys.stacked is not None and self.values.stacked is not None:
+            self.keys, self.values = self.keys.drop_oldest(count), self.values.drop_oldest(count)
+            return
+        moved = set(heads)
+        self.keys = PerHead([x[:, count:].clone() if h in moved else x for h, x in enumerate(self.keys)])
+        self.values = PerHead([x[:, count:].clone() if h in moved else x for h, x in enumerate(self.values)])
+
     def _positions(self, h: int, count: int) -> torch.Tensor:
         """(b, count) positions in their sequences of head h's `count` oldest tokens held in the
         model's dtype (padding not counted)."""

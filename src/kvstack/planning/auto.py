@@ -232,8 +232,13 @@ class Auto(Method):
         if tuple(calibration.curves.shape[1:3]) != (len(n), heads):
             raise UserError("auto's curves were measured on another model: build the KVCache from the model it serves")
         choice, why = self.choose(calibration, fraction)
-        decided = replace(self.solve(calibration.curves, choice, fraction, layout), chosen=why)
-        return decided.at(n, fraction * float(n.sum()) * heads * full)
+        key = (self.kind, choice, fraction, json.dumps(layout, default=str))
+        memo = _SOLVED.get(key)
+        if memo is None or memo[0] is not calibration.curves:  # the decision at the reference length: pure
+            if len(_SOLVED) >= 64:  # byte budgets give a fraction per length: keep the memo small
+                _SOLVED.clear()
+            memo = _SOLVED[key] = (calibration.curves, self.solve(calibration.curves, choice, fraction, layout))
+        return replace(memo[1], chosen=why).at(n, fraction * float(n.sum()) * heads * full)
 
     def choose(self, calibration: Calibration, fraction: float) -> tuple[Candidate, str]:
         """The candidate executed at `fraction`: the one validated best at the nearest budget of
@@ -363,6 +368,12 @@ class Planner:
         """Drop this step's memo (the batch's rows were reordered)."""
         self._shares = self._keep = None
 
+    @cached_property
+    def query_window(self) -> int:
+        """Recent queries the plan's scorers read (once it is decided)."""
+        assert self.plan is not None
+        return max(self.stage.methods[name].query_window for name in set(self.plan.scorers))
+
     def scorer(self, layer_idx: int) -> Method:
         """The scorer the plan gives layer `layer_idx`."""
         assert self.plan is not None
@@ -417,9 +428,8 @@ class Planner:
         if max(counts) <= 0:  # most decoding steps: no head has a whole group to encode
             return
         started = policy.clock.start(layer.keys[0].device)
-        for h, ((_, pair), count) in enumerate(zip(heads, counts, strict=True)):
-            if pair is not None and count > 0:
-                layer.encode_oldest(h, count, Quantizer(), pair, None)
+        jobs = [(h, n, pair) for h, ((_, pair), n) in enumerate(zip(heads, counts, strict=True)) if pair and n > 0]
+        layer.encode_heads(jobs, Quantizer(), None)
         policy.clock.stop(started)
 
 
@@ -431,6 +441,11 @@ class Calibration:
 
     curves: torch.Tensor
     losses: torch.Tensor | None
+
+
+# (auto's kind, candidate, fraction, layout) -> (the curves it was solved on, the plan at the reference
+# length): each cache of a run at one budget decides the same plan, rescaled to its own length
+_SOLVED: dict[tuple[Any, ...], tuple[torch.Tensor, Plan]] = {}
 
 
 def _digest(text: str) -> str:

@@ -240,6 +240,13 @@ class Policy:
         none = (chosen >= n_pages) | (ranks.gather(-1, chosen.clamp(max=n_pages - 1)) == float("-inf"))
         return chosen.masked_fill(none, NO_PAGE).to(torch.int32).cpu()
 
+    @property
+    def reads_queries(self) -> bool:
+        """False once `auto`'s plan is decided with no scorer that reads observed queries: the
+        cache then stops keeping them (a copy per layer and step, for nothing)."""
+        planner = self.shares.planner
+        return planner is None or planner.plan is None or planner.query_window > 0
+
     @cached_property
     def shares_only_grow(self) -> bool:
         """True when no head's share of the budget ever shrinks as tokens arrive: a fraction or a
@@ -273,11 +280,8 @@ class Policy:
         if max(counts) <= 0:  # most steps: no whole group yet, and no clock to read
             return
         started = self.clock.start(layer.keys[0].device)
-        for h, count in enumerate(counts):
-            if count > 0:
-                g = layer.groups
-                queries = layer.queries[:, h * g : (h + 1) * g] if layer.queries is not None else None
-                layer.encode_oldest(h, count, quantizer, self.shares.codecs, queries)
+        codecs = self.shares.codecs
+        layer.encode_heads([(h, n, codecs) for h, n in enumerate(counts) if n > 0], quantizer, layer.queries)
         self.clock.stop(started)
 
     def scores(self, obs: Observation) -> torch.Tensor:

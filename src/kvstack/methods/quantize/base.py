@@ -60,6 +60,12 @@ class Quantizer(Stage):
         """Calibrate on the model once (codebooks), or None when nothing is needed."""
         return None
 
+    @property
+    def rows_alike(self) -> bool:
+        """True when `encode` codes every token of a head alike, at one precision, reading nothing
+        of the head but its tokens: the cache may then encode several heads' rows in one call."""
+        return type(self).encode is Quantizer.encode
+
     def encode(
         self, keys: torch.Tensor, values: torch.Tensor, where: Where, codecs: tuple[Codec, Codec], layer: Any
     ) -> list[tuple[Encoded, Encoded, torch.Tensor]]:

@@ -28,6 +28,8 @@ from kvstack.methods.registry import register
 class SquatCodec(Uniform):
     """KIVI's per-channel key codes, chosen block by block with error feedback through A."""
 
+    rows_alike = False  # its codes are chosen with the head's queries
+
     def __init__(self, bits: int, group: int, block: int, rank: int, lam: float) -> None:
         super().__init__(bits, "channel", group)
         self.block, self.rank, self.lam = block, rank, lam

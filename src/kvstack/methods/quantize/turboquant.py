@@ -102,7 +102,7 @@ class TurboCodec(Codec):
     but a call for 8 tokens costs what a call for one does (coding each token as it came took 40%
     of a decoding step at 4k on SmolLM2)."""
 
-    batchable = True
+    batchable = rows_alike = True
     every: int = 8  # a class default too: caches saved before it existed load with it
 
     def __init__(self, bits: int, qjl: bool = False, seed: int = 0, center: int = 0, every: int = 8) -> None:
