@@ -13,7 +13,7 @@ from kvstack.errors import UserError
 from kvstack.generate import Runner
 from kvstack.methods.base import Observation
 from kvstack.methods.learned.features import features
-from kvstack.methods.learned.predictor import FORMAT, Predictor, find, forward, load
+from kvstack.methods.learned.predictor import FORMAT, SHIPPED, Predictor, find, forward, load
 from kvstack.models.rope import rotate
 from kvstack.training.fit import fit, kept_overlap
 from kvstack.training.teachers import prefill, student_inputs, teacher_scores
@@ -80,7 +80,7 @@ def test_train_writes_a_predictor_the_method_finds_with_its_header(trained):
 
 
 def test_a_predictor_trained_on_the_kv_features_scores_with_them(tmp_path):
-    """Files written before the "local" set (no "features" entry, as kvzap's shipped Qwen2.5-Coder file)
+    """Files written before the "local" set (no "features" entry, as Qwen2.5-Coder's first kvzap file)
     and files trained with `--features kv` read the key, the value and the four numbers only."""
     from kvstack.methods.learned.kvzap import KVzap
 
@@ -183,6 +183,18 @@ def test_a_predictor_file_for_another_model_a_newer_format_or_a_flipped_byte_is_
         load(cut, key, "kvzap")
     with pytest.raises(UserError, match="not 'other'"):
         load(result.path, key, "other")
+
+
+@pytest.mark.parametrize("path", sorted(SHIPPED.glob("*.safetensors")), ids=lambda p: p.stem)
+def test_every_shipped_predictor_loads_for_the_model_and_method_its_name_gives(path):
+    """Each predictor that ships is the one its name says (model key, method), in this format,
+    with tensors matching their recorded hash, and one output block per KV head or two (retention)."""
+    key, method = path.stem.rsplit("-", 1)
+    predictor = load(path, key, method)
+    assert predictor.meta["model_key"] == key and predictor.meta["method"] == method
+    width = predictor.w1.shape[2]  # the features it reads, for 64-wide heads (SmolLM2, Qwen2.5-Coder-0.5B)
+    assert width == {"kv": 2 * 64 + 4, "local": 4 * 64 + 11}[predictor.features]
+    assert predictor.mean.shape[-1] == predictor.std.shape[-1] == width
 
 
 def test_kvstack_train_cli_trains_resumes_and_refuses_bad_names(tiny_folder, tmp_path):

@@ -98,11 +98,9 @@ class Predictor:
             weight = p["weight"][layer][..., 0].reshape(o, h, -1).permute(1, 2, 0)  # (h, F, o)
             out = kernel_scores(keys, values, valid, ages, self.features, weight, positions, inv_freq)
             if out is None:
-                pre = rotate(keys.float(), -positions.float(), inv_freq) if inv_freq is not None else keys
-                out = linear_scores(pre, values, valid, ages, self.features, weight)  # (b, h, t, o)
-            return out.permute(0, 3, 1, 2).flatten(1, 2) + p["bias"][layer][:, None]
-        pre = rotate(keys.float(), -positions.float(), inv_freq) if inv_freq is not None else keys
-        x = token_features(pre, values, valid, ages, self.features)
+                out = linear_scores(before_rope(keys, positions, inv_freq), values, valid, ages, self.features, weight)
+            return out.permute(0, 3, 1, 2).flatten(1, 2) + p["bias"][layer][:, None]  # (b, h, t, o) -> (b, o*h, t)
+        x = token_features(before_rope(keys, positions, inv_freq), values, valid, ages, self.features)
         return self.predict(layer, torch.cat([x] * o, dim=1) if o > 1 else x)
 
     def save(self, path: Path) -> None:
@@ -115,6 +113,11 @@ class Predictor:
 
         save_file(tensors, str(tmp), metadata=meta)
         tmp.replace(path)
+
+
+def before_rope(keys: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor | None) -> torch.Tensor:
+    """keys (b, h, t, d) at `positions` turned back to before RoPE (float32); as they are without it."""
+    return rotate(keys.float(), -positions.float(), inv_freq) if inv_freq is not None else keys
 
 
 def forward(z: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor) -> torch.Tensor:
