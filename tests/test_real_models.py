@@ -223,32 +223,42 @@ def test_auto_plans_bytes_the_real_cache_then_holds(name):
         assert sliding and all(cache.plan.held[i] == 511 for i in sliding)
 
 
+# auto's validations measured in one load dtype only (bfloat16 on CPUs with AVX512-BF16 or AMX, float32 elsewhere)
+NOT_SHIPPED = {
+    ("qwen2.5-coder-0.5b", "auto", torch.float32),
+    ("qwen2.5-coder-0.5b", "auto(scorers=('kvzap', 'snapkv'))", torch.bfloat16),
+}
+
+
 @pytest.mark.parametrize("spec", ["auto", "auto(scorers=('kvzap', 'snapkv'))"])
-def test_auto_plans_smollm2_from_the_tables_kvstack_ships(smollm2, monkeypatch, tmp_path, spec):
-    """A fresh machine (an empty calibration folder) plans SmolLM2 with the default auto, and with
-    auto over kvzap, from the curves and validation kvstack ships: nothing is measured. A change
-    that renames auto's tables (or kvzap's predictor) fails here until they ship again
-    (`kvstack calibrate --method SPEC --ship`)."""
+@pytest.mark.parametrize("name, length", [("smollm2-135m", 2048), ("qwen2.5-coder-0.5b", 4096)])
+def test_auto_plans_from_the_tables_kvstack_ships(smollm2, monkeypatch, tmp_path, spec, name, length):
+    """A fresh machine (an empty calibration folder) plans SmolLM2 and Qwen2.5-Coder-0.5B with the
+    default auto, and with auto over kvzap, from the curves and validation kvstack ships: nothing
+    is measured. A change that renames auto's tables (or kvzap's predictor) fails here until they
+    ship again (`kvstack calibrate --model NAME --method SPEC --ship`)."""
     from kvstack.cache.budget import Budget
     from kvstack.calibrate import store
     from kvstack.planning import auto, curves
     from kvstack.stack import Stack
 
     def never(*args, **kwargs):
-        raise AssertionError("auto measured SmolLM2 instead of reading its shipped tables")
+        raise AssertionError(f"auto measured {name} instead of reading its shipped tables")
 
     monkeypatch.setattr(curves, "measure", never)
     monkeypatch.setattr(auto, "losses", never)
     monkeypatch.setenv("KVSTACK_CALIBRATION", str(tmp_path))
     store.forget()
-    key = store.model_key(smollm2.model)
-    if smollm2.model.dtype != torch.bfloat16 and not list(store.SHIPPED.glob(f"{key}-*")):
-        pytest.skip("SmolLM2's tables ship as measured in bf16 (CPUs with AVX512-BF16 or AMX); this one loads float32")
-    assert not list(store.calibration_dir().glob(f"{key}-*"))  # nothing measured here
+    lm = smollm2 if name == "smollm2-135m" else kvstack.load(name)
+    key = store.model_key(lm.model)
     stage = Stack.parse(spec).stages[0]
-    planned = stage.plan_for(smollm2.model, Budget.parse(0.0625), 2048)
+    if (name, spec, lm.model.dtype) in NOT_SHIPPED:  # each load dtype has its own validation (its bytes per token)
+        assert not (store.SHIPPED / f"{key}-{stage.validation_kind(lm.model)}.safetensors").exists()
+        pytest.skip(f"{spec}'s validation for {name} ships for the other load dtype, not {lm.model.dtype}")
+    assert not list(store.calibration_dir().glob(f"{key}-*"))  # nothing measured here
+    planned = stage.plan_for(lm.model, Budget.parse(0.0625), length)
     assert planned.total_bytes <= 0.0625 * planned.full_bytes and planned.chosen
-    assert (store.SHIPPED / f"{key}-{stage.kind_for(smollm2.model)}.safetensors").exists()  # its curves
+    assert (store.SHIPPED / f"{key}-{stage.kind_for(lm.model)}.safetensors").exists()  # its curves
     assert not list(tmp_path.iterdir())  # read in place, nothing measured or copied here
     store.forget()
 

@@ -198,10 +198,17 @@ class Auto(Method):
                 )
 
         layout = self.layout(model, model.dtype.itemsize, Budget.parse(1.0))
+        return Calibration(curves, calibrated(model, self.validation_kind(model, layout), check))
+
+    def validation_kind(self, model: Any, layout: dict[str, Any] | None = None) -> str:
+        """The name of the validation table for `model` as loaded: its candidates, grid and the
+        cache's layout, whose bytes per token follow the dtype the model was loaded in (a float32
+        load plans other fractions than a bfloat16 one, so each has its own table)."""
+        layout = layout or self.layout(model, model.dtype.itemsize, Budget.parse(1.0))
         grid = f"{validation.GRID}|{validation.FACTS}"
         shape = {k: v for k, v in layout.items() if k not in ("model", "budget")}  # the model is the file's key
-        what = f"{kind}|{[str(c) for c in self.choices]}|{self.uniform}|{self.validate}|{grid}|{shape}"
-        return Calibration(curves, calibrated(model, f"auto-valid-{_digest(what)}-v6", check))
+        what = f"{self.kind_for(model)}|{[str(c) for c in self.choices]}|{self.uniform}|{self.validate}|{grid}|{shape}"
+        return f"auto-valid-{_digest(what)}-v6"
 
     def reference_length(self, config: Any) -> int:
         """Tokens per calibration row, and the length the plan is solved at: `tokens`, or less when
