@@ -188,7 +188,7 @@ def test_a_predictor_file_for_another_model_a_newer_format_or_a_flipped_byte_is_
 @pytest.mark.parametrize("path", sorted(SHIPPED.glob("*.safetensors")), ids=lambda p: p.stem)
 def test_every_shipped_predictor_loads_for_the_model_and_method_its_name_gives(path):
     """Each predictor that ships is the one its name says (model key, method), in this format,
-    with tensors matching their recorded hash, and one output block per KV head or two (retention)."""
+    with tensors matching their recorded hash, reading as many features as its feature set gives."""
     key, method = path.stem.rsplit("-", 1)
     predictor = load(path, key, method)
     assert predictor.meta["model_key"] == key and predictor.meta["method"] == method
