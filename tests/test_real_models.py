@@ -225,7 +225,6 @@ def test_auto_plans_bytes_the_real_cache_then_holds(name):
 
 # auto's validations measured in one load dtype only (bfloat16 on CPUs with AVX512-BF16 or AMX, float32 elsewhere)
 NOT_SHIPPED = {
-    ("smollm2-135m", "auto", torch.float32),
     ("qwen2.5-coder-0.5b", "auto", torch.float32),
     ("qwen2.5-coder-0.5b", "auto(scorers=('kvzap', 'snapkv'))", torch.bfloat16),
 }
