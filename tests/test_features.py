@@ -16,7 +16,7 @@ from kvstack.models.rope import rotate, turns
 needs_kernel = pytest.mark.skipif(
     kernels.library("scores") is None and shutil.which("cc") is None, reason="no C compiler on this machine"
 )
-WIDTH = {"kv": lambda d: 2 * d + 4, "local": lambda d: 4 * d + 11}
+WIDTH = {"kv": lambda d: 2 * d + 4, "local": lambda d: 4 * d + 11, "gate": lambda d: 2 * d}
 
 
 def case(b: int, h: int, t: int, d: int, o: int, kind: str, seed: int, thin: bool):
@@ -46,7 +46,7 @@ def close(got: torch.Tensor, expected: torch.Tensor, valid: torch.Tensor) -> Non
     t=st.integers(1, 300),
     d=st.sampled_from([2, 16, 64]),
     o=st.integers(1, 2),
-    kind=st.sampled_from(["kv", "local"]),
+    kind=st.sampled_from(["kv", "local", "gate"]),
     seed=st.integers(0, 10_000),
     thin=st.booleans(),
 )
@@ -87,10 +87,13 @@ def test_the_kernel_declines_what_it_does_not_read(monkeypatch):
     monkeypatch.setenv("KVSTACK_KERNELS", "0")
     keys, values, valid, ages, _, weight = case(1, 2, 10, 16, 1, "local", 0, False)
     assert kernel_scores(keys, values, valid, ages, "local", weight) is None
+    monkeypatch.delenv("KVSTACK_KERNELS")
+    keys, values, valid, ages, _, weight = case(1, 2, 10, 16, 1, "gate", 0, False)  # two products: torch's
+    assert kernel_scores(keys, values, valid, ages, "gate", weight) is None
 
 
 @pytest.mark.parametrize("kernel", ["1", "0"])
-@pytest.mark.parametrize("kind", ["kv", "local"])
+@pytest.mark.parametrize("kind", ["kv", "local", "gate"])
 def test_a_linear_predictor_scores_as_it_predicts_from_the_feature_matrix(monkeypatch, kernel, kind):
     """`Predictor.score` (kernel or torch, standardisation folded, two outputs per head in blocks
     of h) against `predict` on the written-out features of the keys turned back from RoPE."""

@@ -12,10 +12,10 @@ from kvstack.terminal import DEFAULT, err, fail, out
 
 
 def train(
-    method: Annotated[str, typer.Argument(help="the learned scorer to train: kvzap, retention")],
+    method: Annotated[str, typer.Argument(help="the learned scorer to train: kvzap, retention, wgkv")],
     model: Annotated[str, typer.Option("--model", "-m", help="registered name, local folder or .gguf")] = DEFAULT,
     teacher: Annotated[
-        str | None, typer.Option(help="whose scores to learn (kvzap: kvzip or future; retention: decay)")
+        str | None, typer.Option(help="whose scores to learn (kvzap, wgkv: kvzip or future; retention: decay)")
     ] = None,
     texts: Annotated[int, typer.Option(help="State of the Union rows to train on")] = 16,
     held: Annotated[int, typer.Option(help="other rows the predictor is checked on")] = 2,
@@ -24,7 +24,10 @@ def train(
     steps: Annotated[int, typer.Option(help="training steps (mini-batches of 4096 tokens)")] = 400,
     features: Annotated[
         str | None,
-        typer.Option(help="what the predictor reads: local (neighbours, age, squares; kvzap's) or kv (retention's)"),
+        typer.Option(
+            help="what the predictor reads: local (neighbours, age, squares; kvzap's), kv (retention's) "
+            "or gate (the token alone; wgkv's)"
+        ),
     ] = None,
     output: Annotated[
         Path | None, typer.Option("--out", "-o", help="file to write (default: where the method finds it)")

@@ -20,10 +20,12 @@ from kvstack.methods.learned.predictor import Predictor, predictor_path
 from kvstack.training.fit import fit_layers, kept_overlap
 from kvstack.training.teachers import TEACHERS, cached_scores, check_teacher, prefill, student_inputs
 
-TRAINABLE = {"kvzap": "kvzip", "retention": "decay"}  # learned scorer -> its default teacher (its outputs' width)
+# learned scorer -> its default teacher (its outputs' width)
+TRAINABLE = {"kvzap": "kvzip", "retention": "decay", "wgkv": "kvzip"}
 # learned scorer -> the features it reads by default: retention's gate reads a token as it is
-# written (its age enters through its decay alone), kvzap's reads its neighbours and age too
-READS = {"kvzap": "local", "retention": "kv"}
+# written (its age enters through its decay alone), kvzap's reads its neighbours and age too,
+# wgkv's write gate the token alone (its key and value over their RMS)
+READS = {"kvzap": "local", "retention": "kv", "wgkv": "gate"}
 FRACTIONS = (0.125, 0.25)  # held-out check: the teacher's kept set at these budgets
 
 

@@ -18,7 +18,7 @@ from kvstack.cache.kernels import library, pointer
 from kvstack.errors import UserError
 from kvstack.models.rope import turns
 
-FEATURE_SETS = ("kv", "local")  # what a predictor reads; files without the "features" entry read "kv"
+FEATURE_SETS = ("kv", "local", "gate")  # what a predictor reads; files without the "features" entry read "kv"
 WINDOW = 16  # the tokens before a token whose mean the "local" features compare it with
 
 
@@ -44,10 +44,14 @@ def features(
     these can. "local" (F = 4d + 11) adds how it stands among its neighbours (`local_numbers`), the
     log of its age `ages` (..., t) (tokens from it to the next query, >= 1) and the squares of
     the key's and value's coordinates: on held-out prose they keep 65% of KVzip's kept set at
-    1/8 against 57% ("kv")."""
+    1/8 against 57% ("kv"). "gate" (F = 2d): the key and the value alone, each over its RMS (WG-KV's
+    write gate reads a token as it is written: nothing about its neighbours, the head or its age,
+    so its score never changes once written)."""
     check_features(kind, ages)
     k, v = pre_rope_keys.float(), values.float()
     d = k.shape[-1]
+    if kind == "gate":
+        return torch.cat([rms_normed(k), rms_normed(v)], -1)
     mask = torch.ones(k.shape[:-1], dtype=torch.bool, device=k.device) if valid is None else valid
     out = k.new_empty(*k.shape[:-1], 2 * d + 4 if kind == "kv" else 4 * d + 11)  # filled in place: no concatenation
     out[..., :d], out[..., d : 2 * d] = k, v
@@ -80,6 +84,8 @@ def linear_scores(
     feature matrix, none of them (b, h, t, F) wide; equal to it up to float rounding (tested)."""
     check_features(kind, ages)
     d = pre_rope_keys.shape[-1]
+    if kind == "gate":
+        return rms_normed(pre_rope_keys.float()) @ weight[:, :d] + rms_normed(values.float()) @ weight[:, d:]
     x = torch.stack([pre_rope_keys, values]).float()  # (2, b, h, t, d): the key's and the value's numbers at once
     mask = valid.to(x.dtype)  # (b, h, t)
     count = mask.sum(-1, keepdim=True).clamp(min=1)  # (b, h, 1)
@@ -123,10 +129,11 @@ def kernel_scores(
 ) -> torch.Tensor | None:
     """`linear_scores` by the C kernel (kernels/scores.c), or None where it does not run: no
     kernel (no compiler, `KVSTACK_KERNELS=0`), a GPU tensor, a head width that is not a multiple
-    of 16 up to 256. With `inv_freq` (d/2,) the keys are after RoPE at `positions` (b, h, t) and
-    the kernel turns them back as it reads them (no rotated copy in torch)."""
+    of 16 up to 256, the "gate" set (two products in torch already). With `inv_freq` (d/2,) the
+    keys are after RoPE at `positions` (b, h, t) and the kernel turns them back as it reads them
+    (no rotated copy in torch)."""
     b, h, t, d = keys.shape
-    if t == 0 or d % 16 or d > 256 or keys.device.type != "cpu":
+    if t == 0 or d % 16 or d > 256 or keys.device.type != "cpu" or kind not in ("kv", "local"):
         return None
     lib = library("scores")
     if lib is None:
@@ -182,6 +189,12 @@ def local_numbers(x: torch.Tensor, mask: torch.Tensor, norm: torch.Tensor) -> to
         ],
         -1,
     )
+
+
+def rms_normed(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x (..., d) over its root mean square (WG-KV's RMSNorm before the gate, its scale left to the
+    predictor's weights): a token's direction and shape, not its size."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
 def cosine(x: torch.Tensor, y: torch.Tensor, x_norm: torch.Tensor, y_norm: torch.Tensor) -> torch.Tensor:
