@@ -103,3 +103,19 @@ def test_kvstack_calibrate_measures_a_stack_and_ships_its_tables(tiny_folder, fo
     assert torch.equal(load_file(str(copy))["table"], torch.load(table))
     bad = CliRunner().invoke(app, ["calibrate", "--model", str(tiny_folder), "--method", "snapkvv"])
     assert bad.exit_code == 2 and "snapkv" in bad.output and "Traceback" not in bad.output
+
+
+def test_a_ticker_writes_a_plain_line_per_tenth_where_stderr_is_not_a_terminal(capsys):
+    """A log file gets "what: done/total, elapsed, time left" at each tenth of the work (a bar
+    cannot redraw there); a quick calibration, under `after` seconds, prints nothing."""
+    with store.Ticker("measuring", 20, after=0.0) as ticker:
+        for _ in range(20):
+            ticker.advance()
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 10, lines
+    assert lines[0].startswith("measuring: 2/20, ") and lines[-1].startswith("measuring: 20/20, ")
+    assert "min left" in lines[0]
+    with store.Ticker("quick", 20, after=60.0) as ticker:
+        for _ in range(20):
+            ticker.advance()
+    assert capsys.readouterr().err == ""

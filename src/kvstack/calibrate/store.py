@@ -194,14 +194,18 @@ def _save(table: torch.Tensor, path: Path) -> None:
 
 class Ticker:
     """Counts calibration steps; a rich progress bar (on stderr) appears once `after` seconds passed,
-    so quick calibrations (tiny models, memoised tables) print nothing."""
+    so quick calibrations (tiny models, memoised tables) print nothing. Where stderr is not a
+    terminal (a log file, CI) a bar cannot redraw, so a plain line is written at each tenth of
+    the work, and at least every `every` seconds: a 40-minute calibration is not 40 silent minutes."""
 
-    def __init__(self, description: str, total: int, after: float = 3.0) -> None:
-        self.description, self.total, self.after = description, total, after
+    def __init__(self, description: str, total: int, after: float = 3.0, every: float = 300.0) -> None:
+        self.description, self.total, self.after, self.every = description, total, after, every
         self.done = 0
         self.started = time.monotonic()
         self._bar: Progress | None = None
         self._task: Any = None
+        self._console = Console(file=sys.stderr)
+        self._said = (0, self.started)  # (tenths of the work, time) at the last plain line
 
     def __enter__(self) -> Ticker:
         return self
@@ -215,16 +219,37 @@ class Ticker:
 
     def advance(self, steps: int = 1) -> None:
         self.done += steps
-        if self._bar is None and time.monotonic() - self.started > self.after:
+        now = time.monotonic()
+        if not self._console.is_terminal:
+            self._line(now)
+            return
+        if self._bar is None and now - self.started > self.after:
             self._bar = Progress(
                 TextColumn("{task.description}"),
                 BarColumn(),
                 MofNCompleteColumn(),
                 TimeElapsedColumn(),
-                console=Console(file=sys.stderr),
+                console=self._console,
                 transient=True,
             )
             self._bar.start()
             self._task = self._bar.add_task(self.description, total=self.total)
         if self._bar is not None:
             self._bar.update(self._task, completed=min(self.done, self.total))
+
+    def _line(self, now: float) -> None:
+        """One plain progress line (done/total, elapsed, time left) when another tenth of the work
+        is done or `every` seconds passed since the last, once `after` seconds passed."""
+        tenths, last = self._said
+        done = min(self.done, self.total)
+        reached = 10 * done // max(self.total, 1)
+        elapsed = now - self.started
+        if elapsed < self.after or (reached <= tenths and now - last < self.every):
+            return
+        self._said = (reached, now)
+        left = elapsed * (self.total - done) / done if done else float("nan")
+        print(
+            f"{self.description}: {done}/{self.total}, {elapsed / 60:.1f} min, about {left / 60:.1f} min left",
+            file=sys.stderr,
+            flush=True,
+        )
