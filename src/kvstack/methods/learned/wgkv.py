@@ -39,9 +39,9 @@ class WGKV(LearnedScorer):
     then admits (`kvstack generate --prefill-chunk N` brings it closer: each chunk is admitted
     before the next is read).
 
-    Parameters: `window` newest tokens always held (the local cache; a budget smaller than
-    sinks + window keeps the newest of them that fit); `path` a predictor file;
-    `sinks` first tokens always kept.
+    Parameters: `window` newest tokens always held (the local cache; a budget below sinks +
+    window is spent on those tokens alone); `path` a predictor file; `sinks` first tokens always
+    kept.
     Shapes: keys, values (b, h, t, d) -> gate inputs (b, h, t, 2d) -> scores (b, h, t).
     """
 
