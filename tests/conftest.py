@@ -24,7 +24,7 @@ def private_calibrations(tmp_path_factory):
         from kvstack.training.train import train
 
         for build in TINY.values():  # learned scorers find a predictor for each tiny model
-            for method in ("kvzap", "retention", "wgkv"):
+            for method in ("kvzap", "retention", "wgkv", "sinkgate"):
                 train(build(), method, texts=2, held=1, tokens=64, hidden=8, steps=20)
         yield
 

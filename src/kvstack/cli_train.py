@@ -12,21 +12,27 @@ from kvstack.terminal import DEFAULT, err, fail, out
 
 
 def train(
-    method: Annotated[str, typer.Argument(help="the learned scorer to train: kvzap, retention, wgkv")],
+    method: Annotated[str, typer.Argument(help="the learned scorer to train: kvzap, retention, wgkv, sinkgate")],
     model: Annotated[str, typer.Option("--model", "-m", help="registered name, local folder or .gguf")] = DEFAULT,
     teacher: Annotated[
-        str | None, typer.Option(help="whose scores to learn (kvzap, wgkv: kvzip or future; retention: decay)")
+        str | None,
+        typer.Option(help="whose scores to learn (kvzap, wgkv, sinkgate: kvzip or future; retention: decay)"),
     ] = None,
     texts: Annotated[int, typer.Option(help="State of the Union rows to train on")] = 16,
     held: Annotated[int, typer.Option(help="other rows the predictor is checked on")] = 2,
     tokens: Annotated[int, typer.Option(help="tokens per row")] = 1024,
-    hidden: Annotated[int, typer.Option(help="MLP width per head (0: linear, solved exactly)")] = 0,
-    steps: Annotated[int, typer.Option(help="training steps (mini-batches of 4096 tokens)")] = 400,
+    hidden: Annotated[
+        int | None,
+        typer.Option(help="MLP width per head, 0: linear, solved exactly (wgkv: 32, others 0); sinkgate: rank (16)"),
+    ] = None,
+    steps: Annotated[
+        int | None, typer.Option(help="training steps: mini-batches of 4096 tokens, 400 (sinkgate: of 1024, 1200)")
+    ] = None,
     features: Annotated[
         str | None,
         typer.Option(
             help="what the predictor reads: local (neighbours, age, squares; kvzap's), kv (retention's) "
-            "or gate (the token alone; wgkv's)"
+            "or gate (the token alone; wgkv's and sinkgate's)"
         ),
     ] = None,
     output: Annotated[

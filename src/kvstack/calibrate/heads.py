@@ -124,7 +124,8 @@ def _device(model: Any) -> torch.device:
     return next(model.parameters()).device
 
 
-def _groups(model: Any) -> int:
+def query_groups(model: Any) -> int:
+    """Query heads per KV head (GQA group size) of `model`."""
     config = text_config(model.config)
     return config.num_attention_heads // (getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
 
@@ -163,7 +164,7 @@ def razor_scores(model: Any, segment: int | None = None, repeats: int = 4) -> to
         with eager_attention(model, reduce), torch.inference_mode():
             model(input_ids=ids.to(_device(model)), use_cache=False)
     table = torch.stack([out[i] for i in range(n_layers)], dim=1)  # (2, L, H)
-    return per_kv_head(table, _groups(model), "max")
+    return per_kv_head(table, query_groups(model), "max")
 
 
 # ---- HeadKV ----------------------------------------------------------------------------------
@@ -196,7 +197,7 @@ def headkv_scores(model: Any, length: int | None = None) -> torch.Tensor:
 
         with eager_attention(model, reduce), torch.inference_mode():
             model(input_ids=ids.to(_device(model)), use_cache=False)
-    scores = per_kv_head(torch.stack([out[i] for i in range(config.num_hidden_layers)]), _groups(model), "mean")
+    scores = per_kv_head(torch.stack([out[i] for i in range(config.num_hidden_layers)]), query_groups(model), "mean")
     total = scores.sum()
     return scores / total if total > 0 else torch.full_like(scores, 1.0 / scores.numel())
 

@@ -6,26 +6,34 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from kvstack.cache.statistics import HORIZON
+from kvstack.calibrate.heads import query_groups
 from kvstack.calibrate.prose import calibration_ids
 from kvstack.calibrate.store import Ticker, calibration_dir, model_key
 from kvstack.errors import UserError, unknown_name
+from kvstack.methods.learned import sink_attention
 from kvstack.methods.learned.features import FEATURE_SETS
 from kvstack.methods.learned.predictor import Predictor, predictor_path
-from kvstack.training.fit import fit_layers, kept_overlap
+from kvstack.training.fit import fit_layers, fit_sink_attention, kept_overlap
 from kvstack.training.teachers import TEACHERS, cached_scores, check_teacher, prefill, student_inputs
 
 # learned scorer -> its default teacher (its outputs' width)
-TRAINABLE = {"kvzap": "kvzip", "retention": "decay", "wgkv": "kvzip"}
+TRAINABLE = {"kvzap": "kvzip", "retention": "decay", "wgkv": "kvzip", "sinkgate": "kvzip"}
 # learned scorer -> the features it reads by default: retention's gate reads a token as it is
 # written (its age enters through its decay alone), kvzap's reads its neighbours and age too,
 # wgkv's write gate the token alone (its key and value over their RMS)
-READS = {"kvzap": "local", "retention": "kv", "wgkv": "gate"}
+READS = {"kvzap": "local", "retention": "kv", "wgkv": "gate", "sinkgate": "gate"}
+SINK_ATTENTION = {"sinkgate"}  # scorers whose network is Fast KVzip's sink attention (`hidden` its rank), not an MLP
+# the network each scorer ships with, so `kvstack train NAME` rebuilds it: hidden width (0: linear;
+# sinkgate: its rank) and steps (sinkgate: mini-batches of 1024 tokens); others 0 and 400
+HIDDEN = {"wgkv": 32, "sinkgate": sink_attention.RANK}
+STEPS = {"sinkgate": 1200}
 FRACTIONS = (0.125, 0.25)  # held-out check: the teacher's kept set at these budgets
 
 
@@ -33,7 +41,7 @@ FRACTIONS = (0.125, 0.25)  # held-out check: the teacher's kept set at these bud
 class Trained:
     """A trained predictor, where it was saved and what it scored on rows it never saw."""
 
-    predictor: Predictor
+    predictor: Predictor | sink_attention.SinkAttention
     path: Path
     held_out: dict[str, float]  # "kept@0.125": share of the teacher's kept tokens the predictor keeps too
     teacher_s: float  # seconds scoring with the teacher (an earlier run's scores are read) and reading inputs
@@ -47,8 +55,8 @@ def train(
     texts: int = 16,
     held: int = 2,
     tokens: int = 1024,
-    hidden: int = 0,
-    steps: int = 400,
+    hidden: int | None = None,
+    steps: int | None = None,
     out: Path | None = None,
     features: str | None = None,
 ) -> Trained:
@@ -63,8 +71,11 @@ def train(
         fits = [name for name, o in TEACHERS.items() if o == outputs]
         gives = f"teacher {teacher} gives {TEACHERS[teacher]}"
         raise UserError(f"{method} learns {outputs} output(s) per head, {gives}: use {', '.join(fits)}")
-    if texts < 1 or held < 1 or tokens < 32 or hidden < 0 or steps < 1:
-        raise UserError("train on texts >= 1 rows, held >= 1 held-out rows, tokens >= 32, hidden >= 0, steps >= 1")
+    hidden = HIDDEN.get(method, 0) if hidden is None else hidden
+    steps = STEPS.get(method, 400) if steps is None else steps
+    if texts < 1 or held < 1 or tokens < 32 or hidden < 0 or steps < 1 or (method in SINK_ATTENTION and hidden < 1):
+        fix = "texts >= 1 rows, held >= 1 held-out rows, tokens >= 32, hidden >= 0 (sinkgate: >= 1), steps >= 1"
+        raise UserError(f"train on {fix}")
     features = features or READS[method]
     if features not in FEATURE_SETS:
         raise unknown_name("feature set", features, list(FEATURE_SETS))
@@ -85,9 +96,15 @@ def train(
     xs = [torch.cat([row[i] for row in inputs[: len(rows)]], 1) for i in range(len(inputs[0]))]
     ys = [torch.cat([row[i] for row in targets[: len(rows)]], 1) for i in range(len(targets[0]))]
     with Ticker(f"{method}: fitting {len(xs)} x {xs[0].shape[0]} heads", steps) as ticker:
-        predictor = fit_layers(
-            xs, ys, hidden, steps=steps, progress=lambda k: ticker.advance(k - ticker.done), units=outputs > 1
-        )
+
+        def progress(k: int) -> None:
+            ticker.advance(k - ticker.done)
+
+        if method in SINK_ATTENTION:
+            gates = partial(fit_sink_attention, groups=query_groups(model))
+            predictor = fit_layers(xs, ys, hidden, gates, steps=steps, progress=progress)
+        else:
+            predictor = fit_layers(xs, ys, hidden, steps=steps, progress=progress, units=outputs > 1)
     fit_s = time.monotonic() - started
     held_out = check(predictor, inputs[len(rows) :], targets[len(rows) :], final_score(method))
     predictor.meta = {
@@ -127,7 +144,7 @@ def final_score(method: str) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 def check(
-    predictor: Predictor,
+    predictor: Predictor | sink_attention.SinkAttention,
     inputs: list[list[torch.Tensor]],
     targets: list[list[torch.Tensor]],
     final: Callable[[torch.Tensor], torch.Tensor] = lambda y: y,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch.nn import functional as F
@@ -24,6 +25,9 @@ from kvstack.errors import UserError
 from kvstack.methods.learned.features import features as token_features
 from kvstack.methods.learned.features import kernel_scores, linear_scores
 from kvstack.models.rope import rotate
+
+if TYPE_CHECKING:
+    from kvstack.methods.learned.sink_attention import SinkAttention
 
 FORMAT = "1"  # bump when a file written now could not be read back by the code that reads it
 SHIPPED = Path(__file__).resolve().parent / "shipped"  # predictors trained for the registered models
@@ -44,6 +48,7 @@ class Predictor:
     std: torch.Tensor
     meta: dict[str, str] = field(default_factory=dict)
     _on: dict[torch.device, dict[str, torch.Tensor]] = field(default_factory=dict, repr=False, compare=False)
+    names = NAMES  # the tensors a file of this network holds
 
     @property
     def features(self) -> str:
@@ -53,6 +58,16 @@ class Predictor:
     @property
     def linear(self) -> bool:
         return self.w2.shape[-1] == 0
+
+    @property
+    def heads(self) -> int:
+        """Outputs per layer: `o` per KV head, in blocks of h."""
+        return self.w1.shape[1]
+
+    @property
+    def width(self) -> int:
+        """F, the features it reads."""
+        return self.w1.shape[2]
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {name: getattr(self, name) for name in NAMES}
@@ -105,14 +120,20 @@ class Predictor:
 
     def save(self, path: Path) -> None:
         """Write the weights and the header (atomically: a partial file is never left at `path`)."""
-        tensors = {name: t.detach().float().contiguous().cpu() for name, t in self.tensors().items()}
-        meta = {**self.meta, "format": FORMAT, "sha256": digest(tensors)}
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".partial")
-        from safetensors.torch import save_file
+        write(self.tensors(), self.meta, path)
 
-        save_file(tensors, str(tmp), metadata=meta)
-        tmp.replace(path)
+
+def write(tensors: dict[str, torch.Tensor], meta: dict[str, str], path: Path, names: tuple[str, ...] = NAMES) -> None:
+    """A predictor file at `path`: `tensors` (float32), `meta` with the format and their hash, written
+    atomically (a partial file is never left at `path`)."""
+    tensors = {name: t.detach().float().contiguous().cpu() for name, t in tensors.items()}
+    meta = {**meta, "format": FORMAT, "sha256": digest(tensors, names)}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".partial")
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(tmp), metadata=meta)
+    tmp.replace(path)
 
 
 def before_rope(keys: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor | None) -> torch.Tensor:
@@ -129,10 +150,10 @@ def forward(z: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tenso
     return (hidden * w2[..., :, None, :]).sum(-1) + b2[..., :, None]
 
 
-def digest(tensors: dict[str, torch.Tensor]) -> str:
-    """SHA-256 of the tensors' bytes, in NAMES order."""
+def digest(tensors: dict[str, torch.Tensor], names: tuple[str, ...] = NAMES) -> str:
+    """SHA-256 of the tensors' bytes, in `names` order."""
     h = hashlib.sha256()
-    for name in NAMES:
+    for name in names:
         h.update(tensors[name].float().contiguous().numpy().tobytes())
     return h.hexdigest()
 
@@ -157,9 +178,12 @@ def find(model_key: str, method: str, model_name: str = "MODEL") -> Path:
     )
 
 
-def load(path: Path, model_key: str, method: str, model_name: str = "MODEL") -> Predictor:
-    """The predictor in `path`, refused in one line when it is not a predictor for this model and
-    this format, or its tensors do not match their recorded hash."""
+def load(path: Path, model_key: str, method: str, model_name: str = "MODEL") -> Predictor | SinkAttention:
+    """The predictor in `path` (an MLP, or Fast KVzip's sink attention where its header says
+    "network": "sink"), refused in one line when it is not a predictor for this model and this
+    format, or its tensors do not match their recorded hash."""
+    from kvstack.methods.learned.sink_attention import NETWORK, SinkAttention
+
     rebuild = f"rebuild it with `kvstack train {method} --model {model_name}`"
     if not path.exists():
         raise UserError(f"{path}: no such predictor file: {rebuild}")
@@ -168,7 +192,8 @@ def load(path: Path, model_key: str, method: str, model_name: str = "MODEL") -> 
 
         with safe_open(str(path), framework="pt") as f:
             meta = dict(f.metadata() or {})
-            tensors = {name: f.get_tensor(name) for name in NAMES}
+            kind = SinkAttention if meta.get("network") == NETWORK else Predictor
+            tensors = {name: f.get_tensor(name) for name in kind.names}
     except Exception as e:  # safetensors raises its own error types on a damaged file
         raise UserError(f"{path} is not a readable predictor file ({type(e).__name__}): {rebuild}") from None
     if meta.get("format") != FORMAT:
@@ -177,6 +202,6 @@ def load(path: Path, model_key: str, method: str, model_name: str = "MODEL") -> 
         raise UserError(f"{path} is a {meta.get('method')!r} predictor, not {method!r}: {rebuild}")
     if meta.get("model_key") != model_key:
         raise UserError(f"{path} was trained for model {meta.get('model_key')}, not this one ({model_key}): {rebuild}")
-    if meta.get("sha256") != digest(tensors):
+    if meta.get("sha256") != digest(tensors, kind.names):
         raise UserError(f"{path} is damaged (its tensors do not match their hash): {rebuild}")
-    return Predictor(**tensors, meta=meta)
+    return kind(**tensors, meta=meta)

@@ -12,8 +12,9 @@ import torch
 from kvstack.errors import UserError
 from kvstack.methods.base import Method, Observation
 from kvstack.methods.learned.predictor import Predictor, find, load
+from kvstack.methods.learned.sink_attention import SinkAttention
 
-_MEMO: dict[tuple[str, float], Predictor] = {}
+_MEMO: dict[tuple[str, float], Predictor | SinkAttention] = {}
 
 
 @dataclass
@@ -37,7 +38,7 @@ class LearnedScorer(Method):
     def min_tokens(self) -> int:
         return max(1, self.sinks)
 
-    def load(self, model: Any) -> Predictor:
+    def load(self, model: Any) -> Predictor | SinkAttention:
         """The predictor trained for this model (memoised per file)."""
         from kvstack.calibrate.store import model_key
 
@@ -54,11 +55,11 @@ class LearnedScorer(Method):
     def predicted(self, obs: Observation, outputs: int = 1) -> torch.Tensor:
         """(b, outputs*h, t) the predictor's outputs for every held token: `outputs` blocks of h."""
         predictor = obs.tables.get(self.name)
-        if not isinstance(predictor, Predictor):
+        if not isinstance(predictor, (Predictor, SinkAttention)):
             raise UserError(f"{self.name} has no predictor: build the KVCache from the model (KVCache(model, ...))")
-        if predictor.w1.shape[1] != outputs * obs.keys.shape[1]:
+        if predictor.heads != outputs * obs.keys.shape[1]:
             raise UserError(
-                f"{self.name}'s predictor has {predictor.w1.shape[1]} outputs per layer, not {outputs} per KV head "
+                f"{self.name}'s predictor has {predictor.heads} outputs per layer, not {outputs} per KV head "
                 f"({obs.keys.shape[1]}): rebuild it with `kvstack train {self.name}`"
             )
         ages = obs.next_position[:, None, None] - obs.positions  # (b, h, t) tokens up to the next query

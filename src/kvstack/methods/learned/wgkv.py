@@ -22,8 +22,8 @@ class WGKV(LearnedScorer):
     changes once written: the decision taken when it left the window stands, and a token dropped
     then is never stored again.
 
-    What is trained, on what: per layer and KV head a small predictor (`kvstack train wgkv`:
-    linear, or with `--hidden 32` the paper's 2-layer MLP, which ships for SmolLM2) fitted to the
+    What is trained, on what: per layer and KV head a small predictor (`kvstack train wgkv`: the
+    paper's 2-layer MLP, 32 wide, which ships for SmolLM2; `--hidden 0` a linear gate) fitted to the
     log of KVzip's reconstruction score on State of the Union addresses (no benchmark text);
     `--teacher future` fits it to the attention of the next 128 tokens instead. On SmolLM2 it
     keeps the continuation (fidelity above kvzap's) and loses most needles: a token alone does
