@@ -1,9 +1,12 @@
 """A sweep on a tiny model: every cell gets its rows, a re-run adds nothing, partial runs resume."""
 
+import io
+
 import pytest
+from rich.console import Console
 
 from kvstack.bench.jobs import run_sweep, threads_per_job
-from kvstack.bench.runner import Sweep, plan, score
+from kvstack.bench.runner import Sweep, plan, progress_bar, score
 from kvstack.bench.store import Store
 from kvstack.errors import UserError
 from tiny import tiny_loaded
@@ -304,3 +307,19 @@ def test_join_modes_take_options_and_bad_ones_are_one_line():
     ):
         with pytest.raises(UserError, match=words):
             join_options(bad)
+
+
+def test_a_sweep_logged_to_a_file_writes_plain_progress_lines(capsys):
+    """Where stderr is a log, the sweep's bar is plain lines, "what it does: done/total, elapsed,
+    time left", one per tenth of the work (rich would print its bar once, when the sweep ends)."""
+    from kvstack.terminal import LogProgress
+
+    assert isinstance(progress_bar(Console(file=io.StringIO())), LogProgress)
+    with LogProgress(after=0.0) as bar:
+        task = bar.add_task("sweep", total=20)
+        bar.update(task, description="niah_single 2048 #3 agnostic")
+        for _ in range(20):
+            bar.advance(task, 1)
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 10, lines
+    assert lines[0].startswith("niah_single 2048 #3 agnostic: 2/20, ") and "min left" in lines[0]

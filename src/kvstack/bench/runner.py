@@ -41,6 +41,7 @@ from kvstack.models.prompts import build_prompt, eos_ids
 from kvstack.reuse import kvcomm
 from kvstack.reuse.kvlink import join, segments, sink_prefix
 from kvstack.stack import Stack
+from kvstack.terminal import LogProgress
 from kvstack.timing import now
 
 if TYPE_CHECKING:
@@ -222,7 +223,12 @@ Advance = Callable[..., None]  # advance(rows written, progress steps)
 Unit = tuple[str, int]  # ("fidelity" | "work", index into fidelity_work / plan): what one job does at a time
 
 
-def progress_bar(console: Console | None) -> Progress:
+def progress_bar(console: Console | None) -> Progress | LogProgress:
+    """A sweep's progress: rich's bar on a terminal; in a log, where rich would print the bar only
+    when the sweep ends, plain lines (`LogProgress`)."""
+    console = console or Console(stderr=True)
+    if not console.is_terminal:
+        return LogProgress()
     columns = (
         TextColumn("{task.description}"),
         BarColumn(),
@@ -230,7 +236,7 @@ def progress_bar(console: Console | None) -> Progress:
         TimeElapsedColumn(),
         TimeRemainingColumn(),
     )
-    return Progress(*columns, console=console or Console(stderr=True), transient=False)
+    return Progress(*columns, console=console, transient=False)
 
 
 class Share:

@@ -36,6 +36,7 @@ from kvstack.calibrate.prose import prompt_prefix
 from kvstack.errors import UserError
 from kvstack.models.config import text_config
 from kvstack.paths import cache_dir
+from kvstack.terminal import LogLines
 
 _MEMO: dict[tuple[str, str], torch.Tensor] = {}
 SHIPPED = Path(__file__).resolve().parent / "shipped"  # tables measured for the registered models
@@ -195,17 +196,17 @@ def _save(table: torch.Tensor, path: Path) -> None:
 class Ticker:
     """Counts calibration steps; a rich progress bar (on stderr) appears once `after` seconds passed,
     so quick calibrations (tiny models, memoised tables) print nothing. Where stderr is not a
-    terminal (a log file, CI) a bar cannot redraw, so a plain line is written at each tenth of
-    the work, and at least every `every` seconds: a 40-minute calibration is not 40 silent minutes."""
+    terminal (a log file, CI) a bar cannot redraw, so `LogLines` writes a plain line at each tenth
+    of the work, and at least every `every` seconds: a 40-minute calibration is not 40 silent minutes."""
 
     def __init__(self, description: str, total: int, after: float = 3.0, every: float = 300.0) -> None:
-        self.description, self.total, self.after, self.every = description, total, after, every
+        self.description, self.total, self.after = description, total, after
         self.done = 0
         self.started = time.monotonic()
         self._bar: Progress | None = None
         self._task: Any = None
         self._console = Console(file=sys.stderr)
-        self._said = (0, self.started)  # (tenths of the work, time) at the last plain line
+        self._lines = LogLines(description, total, after, every)
 
     def __enter__(self) -> Ticker:
         return self
@@ -219,11 +220,10 @@ class Ticker:
 
     def advance(self, steps: int = 1) -> None:
         self.done += steps
-        now = time.monotonic()
         if not self._console.is_terminal:
-            self._line(now)
+            self._lines.update(self.done)
             return
-        if self._bar is None and now - self.started > self.after:
+        if self._bar is None and time.monotonic() - self.started > self.after:
             self._bar = Progress(
                 TextColumn("{task.description}"),
                 BarColumn(),
@@ -236,20 +236,3 @@ class Ticker:
             self._task = self._bar.add_task(self.description, total=self.total)
         if self._bar is not None:
             self._bar.update(self._task, completed=min(self.done, self.total))
-
-    def _line(self, now: float) -> None:
-        """One plain progress line (done/total, elapsed, time left) when another tenth of the work
-        is done or `every` seconds passed since the last, once `after` seconds passed."""
-        tenths, last = self._said
-        done = min(self.done, self.total)
-        reached = 10 * done // max(self.total, 1)
-        elapsed = now - self.started
-        if elapsed < self.after or (reached <= tenths and now - last < self.every):
-            return
-        self._said = (reached, now)
-        left = elapsed * (self.total - done) / done if done else float("nan")
-        print(
-            f"{self.description}: {done}/{self.total}, {elapsed / 60:.1f} min, about {left / 60:.1f} min left",
-            file=sys.stderr,
-            flush=True,
-        )
