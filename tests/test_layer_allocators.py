@@ -182,3 +182,33 @@ def test_d2o_defaults_to_h2o_and_records_attention():
     assert stack.evictor.name == "h2o" and "attention_sum" in stack.needs
     assert Stack.parse("d2o(snapkv)").needs >= {"attention_sum"}
     assert Stack.parse("prefix").evictor.name == "snapkv" and Stack.parse("squeeze").needs == {"hidden_cosine"}
+
+
+def test_global_counts_keep_the_best_scores_over_every_layer_and_head_by_hand():
+    """Two layers (the second holding 3 tokens, the first 4), one sequence, two heads; keep 5 of
+    the 14: the scores 9, 8, 7, 6, 5 sit in layer 0 head 0 (9, 7), layer 1 head 1 (8, 6) and
+    layer 0 head 1 (5). Padding (-inf, not valid) never counts, whatever its score."""
+    from kvstack.methods.allocate.globalk import global_counts
+
+    first = torch.tensor([[[9.0, 1.0, 7.0, 0.0], [5.0, 2.0, 3.0, 100.0]]])  # (b, h, t): the 100 is padding
+    second = torch.tensor([[[4.0, 1.0, 0.5], [8.0, 6.0, 2.5]]])
+    valid = [torch.tensor([[[True] * 4, [True, True, True, False]]]), torch.ones(1, 2, 3, dtype=torch.bool)]
+    counts = global_counts([first, second], valid, torch.tensor([5]))
+    assert counts.tolist() == [[[2, 1]], [[0, 2]]]
+
+
+def test_globalk_holds_the_budget_and_moves_it_to_where_the_scores_are(llama):
+    """After the prompt, `globalk(snapkv)` holds no more than a uniform split's total, split
+    unevenly over the layers and heads; at budget 1 it reproduces the full cache's logits."""
+    from test_cache import prompt, step_logits
+
+    counts = {}
+    for spec in ("snapkv(window_size=8)", "globalk(snapkv(window_size=8))"):
+        cache = KVCache(llama, spec, 0.25)
+        step_logits(llama, cache, prompt(64, seed=2), [])
+        counts[spec.split("(")[0]] = torch.stack([layer.counts()[0] for layer in cache.layers])  # (L, h)
+    assert int(counts["globalk"].sum()) <= int(counts["snapkv"].sum()) < 64 * counts["snapkv"].numel()
+    assert len(set(counts["globalk"].flatten().tolist())) > 1  # not a uniform split
+    follow = prompt(8, seed=3)
+    full = step_logits(llama, KVCache(llama, "full", 1.0), prompt(40, seed=4), follow)
+    assert torch.equal(step_logits(llama, KVCache(llama, "globalk(snapkv)", 1.0), prompt(40, seed=4), follow), full)

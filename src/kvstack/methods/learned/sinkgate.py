@@ -32,8 +32,9 @@ class SinkGate(LearnedScorer):
     hidden state that the cache already holds), so nothing is hooked into the model. Its teacher
     is KVzip as the paper defines it, on long instruction data; here KVzip's score as kvstack
     computes it, on 16 rows of 1,024 tokens by default. Adam with a cosine schedule replaces its
-    SGD. The paper evicts to a ratio across layers (its `layerwise=False`); here the byte budget
-    decides per head, and `adakv(sinkgate)` shares it across heads.
+    SGD. The paper evicts by one top-k over every layer and head (kvpress's `layerwise=False`);
+    alone, `sinkgate` keeps each head's share of the byte budget, and `globalk(sinkgate)` evicts as
+    the paper does (its gates are probabilities, one scale for every head).
 
     Parameters: `window` the newest share of each head's held tokens always kept (0.02);
     `path` a gate file; `sinks` first tokens always kept.
