@@ -19,6 +19,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         (
             "kvstack.errors",
             "kvstack.timing",
+            "kvstack.progress",
             "kvstack.paths",
             "kvstack.models.config",
             "kvstack.models.registry",

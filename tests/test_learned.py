@@ -13,7 +13,8 @@ from kvstack.errors import UserError
 from kvstack.generate import Runner
 from kvstack.methods.base import Observation
 from kvstack.methods.learned.features import features
-from kvstack.methods.learned.predictor import FORMAT, SHIPPED, Predictor, find, forward, load
+from kvstack.methods.learned.files import FORMAT, SHIPPED, find
+from kvstack.methods.learned.predictor import Predictor, forward, load
 from kvstack.models.rope import rotate
 from kvstack.training.fit import fit, kept_overlap
 from kvstack.training.teachers import prefill, student_inputs, teacher_scores

@@ -287,7 +287,7 @@ def test_kvzap_scores_with_the_predictor_kvstack_ships_and_sentences_mark_real_t
     0.5 sentence(kvzap) finds 19 of 20, README)."""
     from kvstack.calibrate.store import model_key
     from kvstack.methods.evict.sentence import sentence_table
-    from kvstack.methods.learned.predictor import SHIPPED, find
+    from kvstack.methods.learned.files import SHIPPED, find
 
     assert find(model_key(smollm2.model), "kvzap").parent == SHIPPED
     table = sentence_table(smollm2.model)
@@ -309,7 +309,8 @@ def test_retention_reads_the_shipped_predictor_and_learned_that_attention_falls_
     tokens a decay below zero, and the cache it drives holds its budget."""
     from kvstack.calibrate.store import model_key
     from kvstack.methods.base import Observation
-    from kvstack.methods.learned.predictor import SHIPPED, find, load
+    from kvstack.methods.learned.files import SHIPPED, find
+    from kvstack.methods.learned.predictor import load
     from kvstack.methods.learned.retention import Retention
     from kvstack.training.teachers import prefill
 

@@ -10,7 +10,8 @@ from kvstack.cache.statistics import FLOOR, FUTURE, HORIZON
 from kvstack.calibrate.store import model_key
 from kvstack.errors import UserError
 from kvstack.methods.base import Observation
-from kvstack.methods.learned.predictor import find, load
+from kvstack.methods.learned.files import find
+from kvstack.methods.learned.predictor import load
 from kvstack.methods.learned.retention import Retention, retained
 from kvstack.models.rope import rotate
 from kvstack.training.fit import fit

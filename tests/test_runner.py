@@ -312,7 +312,7 @@ def test_join_modes_take_options_and_bad_ones_are_one_line():
 def test_a_sweep_logged_to_a_file_writes_plain_progress_lines(capsys):
     """Where stderr is a log, the sweep's bar is plain lines, "what it does: done/total, elapsed,
     time left", one per tenth of the work (rich would print its bar once, when the sweep ends)."""
-    from kvstack.terminal import LogProgress
+    from kvstack.progress import LogProgress
 
     assert isinstance(progress_bar(Console(file=io.StringIO())), LogProgress)
     with LogProgress(after=0.0) as bar:

@@ -11,7 +11,8 @@ from kvstack.calibrate.store import model_key
 from kvstack.errors import UserError
 from kvstack.generate import Runner
 from kvstack.methods.base import Observation
-from kvstack.methods.learned.predictor import find, load
+from kvstack.methods.learned.files import find, write
+from kvstack.methods.learned.predictor import load
 from kvstack.methods.learned.sink_attention import NAMES, SinkAttention
 from kvstack.methods.learned.sinkgate import SinkGate
 from kvstack.training.fit import fit_sink_attention, kept_overlap
@@ -85,6 +86,9 @@ def test_train_writes_sink_attention_the_method_finds_and_a_damaged_file_is_refu
     data[-5] ^= 0x40
     path.write_bytes(bytes(data))
     with pytest.raises(UserError, match="damaged"):
+        load(path, model_key(model), "sinkgate")
+    write(gates.tensors(), {**gates.meta, "network": "gru"}, path, NAMES)
+    with pytest.raises(UserError, match="'gru' network this kvstack does not know"):
         load(path, model_key(model), "sinkgate")
 
 

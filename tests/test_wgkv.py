@@ -10,7 +10,8 @@ from kvstack.errors import UserError
 from kvstack.generate import Runner
 from kvstack.methods.base import Observation
 from kvstack.methods.learned.features import features
-from kvstack.methods.learned.predictor import find, load
+from kvstack.methods.learned.files import find
+from kvstack.methods.learned.predictor import load
 from kvstack.methods.learned.wgkv import WGKV
 from kvstack.training.teachers import prefill, student_inputs
 from kvstack.training.train import train

@@ -38,10 +38,10 @@ from kvstack.errors import UserError, unknown_name
 from kvstack.generate import compress_ids, fidelity_forks, generate_forks, generate_from, generate_ids
 from kvstack.models.loading import LoadedModel
 from kvstack.models.prompts import build_prompt, eos_ids
+from kvstack.progress import LogProgress
 from kvstack.reuse import kvcomm
 from kvstack.reuse.kvlink import join, segments, sink_prefix
 from kvstack.stack import Stack
-from kvstack.terminal import LogProgress
 from kvstack.timing import now
 
 if TYPE_CHECKING:

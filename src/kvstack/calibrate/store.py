@@ -36,7 +36,7 @@ from kvstack.calibrate.prose import prompt_prefix
 from kvstack.errors import UserError
 from kvstack.models.config import text_config
 from kvstack.paths import cache_dir
-from kvstack.terminal import LogLines
+from kvstack.progress import LogLines
 
 _MEMO: dict[tuple[str, str], torch.Tensor] = {}
 SHIPPED = Path(__file__).resolve().parent / "shipped"  # tables measured for the registered models

@@ -19,7 +19,8 @@ from kvstack.calibrate.store import Ticker, calibration_dir, model_key
 from kvstack.errors import UserError, unknown_name
 from kvstack.methods.learned import sink_attention
 from kvstack.methods.learned.features import FEATURE_SETS
-from kvstack.methods.learned.predictor import Predictor, predictor_path
+from kvstack.methods.learned.files import predictor_path
+from kvstack.methods.learned.predictor import Predictor
 from kvstack.training.fit import fit_layers, fit_sink_attention, kept_overlap
 from kvstack.training.teachers import TEACHERS, cached_scores, check_teacher, prefill, student_inputs
 

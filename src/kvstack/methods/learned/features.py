@@ -16,7 +16,7 @@ import torch
 
 from kvstack.cache.kernels import library, pointer
 from kvstack.errors import UserError
-from kvstack.models.rope import turns
+from kvstack.models.rope import rotate, turns
 
 FEATURE_SETS = ("kv", "local", "gate")  # what a predictor reads; files without the "features" entry read "kv"
 WINDOW = 16  # the tokens before a token whose mean the "local" features compare it with
@@ -200,3 +200,8 @@ def rms_normed(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 def cosine(x: torch.Tensor, y: torch.Tensor, x_norm: torch.Tensor, y_norm: torch.Tensor) -> torch.Tensor:
     """(...) the cosine of x and y (..., d) with their norms (...) given (0 where either is 0)."""
     return (x * y).sum(-1) / (x_norm * y_norm).clamp(min=1e-8)
+
+
+def before_rope(keys: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor | None) -> torch.Tensor:
+    """keys (b, h, t, d) at `positions` turned back to before RoPE (float32); as they are without it."""
+    return rotate(keys.float(), -positions.float(), inv_freq) if inv_freq is not None else keys

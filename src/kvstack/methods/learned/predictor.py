@@ -13,7 +13,6 @@ tensors' SHA-256 is checked on load (a flipped byte is refused too).
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -21,16 +20,13 @@ from typing import TYPE_CHECKING
 import torch
 from torch.nn import functional as F
 
-from kvstack.errors import UserError
+from kvstack.methods.learned.features import before_rope, kernel_scores, linear_scores
 from kvstack.methods.learned.features import features as token_features
-from kvstack.methods.learned.features import kernel_scores, linear_scores
-from kvstack.models.rope import rotate
+from kvstack.methods.learned.files import read, write
 
 if TYPE_CHECKING:
     from kvstack.methods.learned.sink_attention import SinkAttention
 
-FORMAT = "1"  # bump when a file written now could not be read back by the code that reads it
-SHIPPED = Path(__file__).resolve().parent / "shipped"  # predictors trained for the registered models
 NAMES = ("w1", "b1", "w2", "b2", "mean", "std")
 
 
@@ -120,25 +116,7 @@ class Predictor:
 
     def save(self, path: Path) -> None:
         """Write the weights and the header (atomically: a partial file is never left at `path`)."""
-        write(self.tensors(), self.meta, path)
-
-
-def write(tensors: dict[str, torch.Tensor], meta: dict[str, str], path: Path, names: tuple[str, ...] = NAMES) -> None:
-    """A predictor file at `path`: `tensors` (float32), `meta` with the format and their hash, written
-    atomically (a partial file is never left at `path`)."""
-    tensors = {name: t.detach().float().contiguous().cpu() for name, t in tensors.items()}
-    meta = {**meta, "format": FORMAT, "sha256": digest(tensors, names)}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".partial")
-    from safetensors.torch import save_file
-
-    save_file(tensors, str(tmp), metadata=meta)
-    tmp.replace(path)
-
-
-def before_rope(keys: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor | None) -> torch.Tensor:
-    """keys (b, h, t, d) at `positions` turned back to before RoPE (float32); as they are without it."""
-    return rotate(keys.float(), -positions.float(), inv_freq) if inv_freq is not None else keys
+        write(self.tensors(), self.meta, path, NAMES)
 
 
 def forward(z: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor) -> torch.Tensor:
@@ -150,58 +128,11 @@ def forward(z: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tenso
     return (hidden * w2[..., :, None, :]).sum(-1) + b2[..., :, None]
 
 
-def digest(tensors: dict[str, torch.Tensor], names: tuple[str, ...] = NAMES) -> str:
-    """SHA-256 of the tensors' bytes, in `names` order."""
-    h = hashlib.sha256()
-    for name in names:
-        h.update(tensors[name].float().contiguous().numpy().tobytes())
-    return h.hexdigest()
-
-
-def predictor_path(model_key: str, method: str) -> Path:
-    """Where `kvstack train` writes a predictor: beside the model's calibrations
-    (`calibrate.store.calibration_dir`, $KVSTACK_CALIBRATION overrides)."""
-    from kvstack.calibrate.store import calibration_dir
-
-    return calibration_dir() / f"{model_key}-{method}.safetensors"
-
-
-def find(model_key: str, method: str, model_name: str = "MODEL") -> Path:
-    """The predictor file for this model: one trained here first, else the one shipped with kvstack."""
-    for folder in (predictor_path(model_key, method).parent, SHIPPED):
-        path = folder / f"{model_key}-{method}.safetensors"
-        if path.exists():
-            return path
-    raise UserError(
-        f"{method} has no predictor for this model ({model_key}): train one with "
-        f"`kvstack train {method} --model {model_name}` (minutes on a CPU)"
-    )
-
-
 def load(path: Path, model_key: str, method: str, model_name: str = "MODEL") -> Predictor | SinkAttention:
     """The predictor in `path` (an MLP, or Fast KVzip's sink attention where its header says
-    "network": "sink"), refused in one line when it is not a predictor for this model and this
-    format, or its tensors do not match their recorded hash."""
+    "network": "sink"), checked as `files.read` checks it."""
     from kvstack.methods.learned.sink_attention import NETWORK, SinkAttention
 
-    rebuild = f"rebuild it with `kvstack train {method} --model {model_name}`"
-    if not path.exists():
-        raise UserError(f"{path}: no such predictor file: {rebuild}")
-    try:
-        from safetensors import safe_open
-
-        with safe_open(str(path), framework="pt") as f:
-            meta = dict(f.metadata() or {})
-            kind = SinkAttention if meta.get("network") == NETWORK else Predictor
-            tensors = {name: f.get_tensor(name) for name in kind.names}
-    except Exception as e:  # safetensors raises its own error types on a damaged file
-        raise UserError(f"{path} is not a readable predictor file ({type(e).__name__}): {rebuild}") from None
-    if meta.get("format") != FORMAT:
-        raise UserError(f"{path} is predictor format {meta.get('format')!r}, this kvstack reads {FORMAT!r}: {rebuild}")
-    if meta.get("method") != method:
-        raise UserError(f"{path} is a {meta.get('method')!r} predictor, not {method!r}: {rebuild}")
-    if meta.get("model_key") != model_key:
-        raise UserError(f"{path} was trained for model {meta.get('model_key')}, not this one ({model_key}): {rebuild}")
-    if meta.get("sha256") != digest(tensors, kind.names):
-        raise UserError(f"{path} is damaged (its tensors do not match their hash): {rebuild}")
-    return kind(**tensors, meta=meta)
+    kinds: dict[str, type[Predictor] | type[SinkAttention]] = {"": Predictor, NETWORK: SinkAttention}
+    network, tensors, meta = read(path, model_key, method, {k: kind.names for k, kind in kinds.items()}, model_name)
+    return kinds[network](**tensors, meta=meta)

@@ -11,7 +11,8 @@ import torch
 
 from kvstack.errors import UserError
 from kvstack.methods.base import Method, Observation
-from kvstack.methods.learned.predictor import Predictor, find, load
+from kvstack.methods.learned.files import find
+from kvstack.methods.learned.predictor import Predictor, load
 from kvstack.methods.learned.sink_attention import SinkAttention
 
 _MEMO: dict[tuple[str, float], Predictor | SinkAttention] = {}

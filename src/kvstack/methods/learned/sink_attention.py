@@ -10,7 +10,7 @@ the share of attention the token would keep against sinks that stand for "the re
 context". p lies in (0, 1) like KVzip's score (the most attention any re-reading query gives the
 token) and is fitted to it by binary cross-entropy (`fit`). The token alone is read, so its gate
 is fixed once written. Saved as a safetensors file beside the MLP predictors, with the same
-header, hash check and one-line refusals (`predictor.load` reads either).
+header, hash check and one-line refusals (`files.read` checks either, `predictor.load` builds either).
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
+from kvstack.methods.learned.features import before_rope
 from kvstack.methods.learned.features import features as token_features
-from kvstack.methods.learned.predictor import before_rope, write
+from kvstack.methods.learned.files import write
 
 NAMES = ("wq", "bq", "wk", "q_scale", "k_scale", "sinks", "bias")
 NETWORK = "sink"  # the header's "network" entry that names this kind of file
