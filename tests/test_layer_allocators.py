@@ -10,6 +10,7 @@ from transformers import DynamicCache
 from kvstack.cache import hidden
 from kvstack.cache.cache import KVCache
 from kvstack.generate import Runner
+from kvstack.methods.allocate.base import Plan
 from kvstack.methods.allocate.d2o import attention_spread, d2o_weights
 from kvstack.methods.allocate.prefix import importance_cdf, prefix_counts, token_importance
 from kvstack.methods.allocate.squeeze import kmeans_1d, squeeze_weights
@@ -212,3 +213,43 @@ def test_globalk_holds_the_budget_and_moves_it_to_where_the_scores_are(llama):
     follow = prompt(8, seed=3)
     full = step_logits(llama, KVCache(llama, "full", 1.0), prompt(40, seed=4), follow)
     assert torch.equal(step_logits(llama, KVCache(llama, "globalk(snapkv)", 1.0), prompt(40, seed=4), follow), full)
+
+
+@pytest.mark.parametrize(("spec", "reused"), [("globalk(keydiff)", True), ("globalk(h2o)", False)])
+def test_a_whole_prompt_plan_scores_each_layer_once_and_keeps_the_same_tokens(llama, monkeypatch, spec, reused):
+    """After the prompt, a whole-prompt allocator's plan scores every layer; the layer's
+    compression reuses those scores (one scoring a layer, not two) unless its scorer read the
+    plan's uniform split (`h2o`'s recent window is a share of it), and the cache keeps exactly the
+    tokens it keeps when every layer is scored again."""
+    from test_cache import prompt, step_logits
+
+    scorer = type(Stack.parse(spec).evictor)  # the allocator hands its scorer the evictor role
+    real_score, calls = scorer.score, []
+
+    def counted(self, obs):
+        calls.append(obs.layer_idx)
+        return real_score(self, obs)
+
+    def held(cache: KVCache) -> list[torch.Tensor]:
+        return [layer.dense_slots() for layer in cache.layers]
+
+    monkeypatch.setattr(scorer, "score", counted)
+    ids = prompt(64, seed=2)
+    once = KVCache(llama, spec, 0.25)
+    step_logits(llama, once, ids, [])
+    n_layers = len(once.layers)
+    assert sorted(calls) == sorted(list(range(n_layers)) * (1 if reused else 2))
+
+    real_plan_scores = Plan.scores
+
+    def forgetful(self, layer_idx):  # the plan's scores are never handed on: every layer is scored again
+        out = real_plan_scores(self, layer_idx)
+        self.unsplit.clear()
+        return out
+
+    monkeypatch.setattr(Plan, "scores", forgetful)
+    calls.clear()
+    twice = KVCache(llama, spec, 0.25)
+    step_logits(llama, twice, ids, [])
+    assert len(calls) == 2 * n_layers
+    assert all(torch.equal(a, b) for a, b in zip(held(once), held(twice), strict=True))

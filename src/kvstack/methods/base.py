@@ -66,7 +66,8 @@ class Observation:
         tables: dict[str, Any] | None = None,
     ) -> None:
         self._layer = layer
-        self.keep = keep  # (b, h) tokens each head will keep
+        self._keep = keep  # (b, h) tokens each head will keep
+        self.read_keep = False  # True once a method read `keep` (its scores then depend on the split)
         self._token_index = token_index  # (b, slots) index of each slot among real tokens, or None
         self.layer_idx = layer.layer_idx
         self.n_layers = layer.n_layers
@@ -78,6 +79,16 @@ class Observation:
         self.inv_freq = layer.inv_freq  # (d/2,) RoPE inverse frequencies, or None
         self.confidence = confidence  # (b,) the model's confidence in its last prediction, or None
         self.tables = tables or {}  # scorer name -> what its `Method.load` loaded (a learned predictor)
+
+    @property
+    def keep(self) -> torch.Tensor:
+        """(b, h) tokens each head will keep."""
+        self.read_keep = True
+        return self._keep
+
+    @keep.setter
+    def keep(self, keep: torch.Tensor) -> None:
+        self._keep = keep
 
     @cached_property
     def slots(self) -> torch.Tensor:

@@ -18,7 +18,7 @@ from kvstack.cache.compensation import compensation_mask, fold
 from kvstack.cache.statistics import PROMPT_PASSES
 from kvstack.cache.tier import EMPTY_SLOT, NO_PAGE, Fetched, Tier, summary_bytes
 from kvstack.errors import UserError
-from kvstack.methods.base import Method, Observation, decode_block, recent_mask
+from kvstack.methods.base import Method, Observation, Stage, decode_block, recent_mask
 from kvstack.methods.merge.base import merge_states
 from kvstack.methods.retrieve.base import resident_share
 from kvstack.methods.select import select
@@ -56,6 +56,7 @@ class Policy:
         planner = stack.planner
         if planner is not None:  # `auto` measures the model once and decides at the first compression
             self.shares.planner = planner.planner(source)
+        self._prompt_scores: dict[int, tuple[Any, int, torch.Tensor]] = {}  # layer -> a plan's (scorer, seen, scores)
         self.fetch_pages: dict[int, torch.Tensor] = {}  # layer -> (b,) tier pages a head brings back per call
 
     def check_alone(self, quantizer: Any, head_dim: int, source: Any) -> None:
@@ -141,9 +142,15 @@ class Policy:
             started = self.clock.start(self.cache.layers[0].keys[0].device)
             self.shares.reweigh()
             self.clock.stop(started)
-        for layer in self.cache.layers:
-            if layer.is_initialized:
-                self._maintain(layer, decoding=False)
+            plan = self.shares.plan
+            if plan is not None and not self.stack.demotes:  # scores on the same state: score each layer once
+                self._prompt_scores = plan.unsplit
+        try:
+            for layer in self.cache.layers:
+                if layer.is_initialized:
+                    self._maintain(layer, decoding=False)
+        finally:
+            self._prompt_scores = {}
 
     def _maintain(self, layer: CompressedLayer, decoding: bool) -> None:
         method = self.stack.evictor
@@ -284,13 +291,22 @@ class Policy:
         layer.encode_heads([(h, n, codecs) for h, n in enumerate(counts) if n > 0], quantizer, layer.queries)
         self.clock.stop(started)
 
-    def scores(self, obs: Observation) -> torch.Tensor:
-        """(b, h, t) the evictor's scores, +inf on exempt tokens (never evicted); under `auto`, the
-        scorer its plan gives the layer."""
+    def scorer(self, layer_idx: int) -> Stage:
+        """The stage that scores layer `layer_idx`: the evictor, or under `auto` the one its plan gives it."""
         method = self.stack.evictor
         if self.shares.planner is not None and self.shares.planner.plan is not None:
-            method = self.shares.planner.scorer(obs.layer_idx)
+            method = self.shares.planner.scorer(layer_idx)
         assert method is not None
+        return method
+
+    def scores(self, obs: Observation) -> torch.Tensor:
+        """(b, h, t) the evictor's scores, +inf on exempt tokens (never evicted); under `auto`, the
+        scorer its plan gives the layer. Right after the prompt, the scores a whole-prompt
+        allocator's plan computed on the same state are reused (the plan scored every layer)."""
+        method = self.scorer(obs.layer_idx)
+        saved = self._prompt_scores.pop(obs.layer_idx, None)
+        if saved is not None and saved[0] is method and saved[1] == obs.seen and not obs.decoding:
+            return saved[2]
         scores = method.score(obs)
         if self.cache.seq.exempt:
             scores = torch.where(self.cache.seq.is_exempt(obs.slots), torch.full_like(scores, float("inf")), scores)

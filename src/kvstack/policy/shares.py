@@ -34,6 +34,7 @@ class Shares:
         self.budget: Budget = policy.budget
         self.codecs = codecs  # how tokens beyond the residual window are stored
         self.demote_codecs = demote_codecs  # how tokens a selection leaves out are stored (MiKV)
+        self.plan: Plan | None = None  # the last plan the allocators weighed (its scores, per layer)
         self.planner: Any = None  # `auto`'s planner for this cache (planning/auto.py `Planner`), if any
         self.weights: torch.Tensor | None = None  # (L, b, h) budget weights decided by the allocators
         self._cost: Cost | None = None  # bytes per token by how it is stored, once tokens exist
@@ -202,7 +203,7 @@ class Shares:
     def weigh(self) -> torch.Tensor | None:
         """Ask every allocator of the stack for weights over all layers; their product."""
         base, room = self._uniform_all(max(layer.seen for layer in self.cache.layers))
-        plan = Plan(self.policy, base[..., 0], room[..., 0])
+        plan = self.plan = Plan(self.policy, base[..., 0], room[..., 0])
         out = None
         for allocator in self.stack.allocators:
             w = allocator.weights(plan)

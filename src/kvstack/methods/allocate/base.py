@@ -42,6 +42,8 @@ class Plan:
         self.signals = policy.cache.signals
         self.calibration = policy.calibration  # kind -> table measured on the model (head allocators)
         self._scores: dict[int, torch.Tensor] = {}
+        # layer -> (scorer, seen, scores) of the layers whose scorer read no split (`Observation.read_keep`)
+        self.unsplit: dict[int, tuple[Any, int, torch.Tensor]] = {}
 
     def observation(self, layer_idx: int) -> Observation:
         layer = self.layers[layer_idx]
@@ -51,7 +53,10 @@ class Plan:
     def scores(self, layer_idx: int) -> torch.Tensor:
         """(b, h, t) the stack's scorer on layer `layer_idx`, exempt tokens at +inf."""
         if layer_idx not in self._scores:
-            self._scores[layer_idx] = self._policy.scores(self.observation(layer_idx))
+            obs, scorer = self.observation(layer_idx), self._policy.scorer(layer_idx)
+            self._scores[layer_idx] = self._policy.scores(obs)
+            if not obs.read_keep:  # the uniform split was not read: the layer's compression may reuse them
+                self.unsplit[layer_idx] = (scorer, obs.seen, self._scores[layer_idx])
         return self._scores[layer_idx]
 
     @cached_property
