@@ -70,8 +70,9 @@ class SinkAttention:
         return log_keep({name: t[layer] for name, t in self.tensors().items()}, x.float())
 
     def predict(self, layer: int, x: torch.Tensor) -> torch.Tensor:
-        """(b, h, t) log p, KVzip's score in its own units (log), from inputs x (b, h, t, F)."""
-        return self.log_keep(layer, x)[0]
+        """(b, h, t) log p, KVzip's score in its own units (log), from inputs x (b, h, t, F) (log
+        (1 - p), which only the fit needs, is not computed)."""
+        return mean_log(F.logsigmoid(logits({name: t[layer] for name, t in self.tensors().items()}, x.float())))
 
     def score(
         self,
@@ -98,18 +99,26 @@ def rms(x: torch.Tensor, scale: torch.Tensor, eps: float = 1e-6) -> torch.Tensor
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * scale
 
 
-def log_keep(p: dict[str, torch.Tensor], x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log p, log (1 - p)) (..., h, t) for one layer's gates `p` (NAMES, without the layer
-    dim) and inputs x (..., h, t, F): for each of the g queries the token's logit against its
-    sinks' (a sigmoid of their difference), averaged over the queries as probabilities."""
+def logits(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """(..., h, t, g) for one layer's gates `p` (NAMES, without the layer dim) and inputs x
+    (..., h, t, F): each of the g queries' logit for the token's own key less its logit for the
+    sinks (log-sum-exp over them); the token keeps sigmoid of it against that query."""
     r, g = p["wk"].shape[-1], p["bias"].shape[-1]
     q = rms((x @ p["wq"] + p["bq"][..., None, :]).unflatten(-1, (g, r)), p["q_scale"][..., None, None, :])
     k = rms(x @ p["wk"], p["k_scale"][..., None, :])  # (..., h, t, r)
     own = (q * k[..., None, :]).sum(-1) / math.sqrt(r) + p["bias"][..., None, :]  # (..., h, t, g)
     sinks = q.flatten(-3, -2) @ p["sinks"].transpose(-1, -2)  # (..., h, t*g, s): one product per head
     against = torch.logsumexp(sinks.unflatten(-2, q.shape[-3:-1]) / math.sqrt(r), -1)  # (..., h, t, g)
-    z = own - against
-    return (
-        torch.logsumexp(F.logsigmoid(z), -1) - math.log(g),
-        torch.logsumexp(F.logsigmoid(-z), -1) - math.log(g),
-    )
+    return own - against
+
+
+def mean_log(log_p: torch.Tensor) -> torch.Tensor:
+    """(..., h, t) the log of the mean over the last dim (the g queries) of probabilities given as logs."""
+    return torch.logsumexp(log_p, -1) - math.log(log_p.shape[-1])
+
+
+def log_keep(p: dict[str, torch.Tensor], x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log p, log (1 - p)) (..., h, t) for one layer's gates `p` and inputs x (..., h, t, F): for
+    each of the g queries a sigmoid of `logits`, averaged over the queries as probabilities."""
+    z = logits(p, x)
+    return mean_log(F.logsigmoid(z)), mean_log(F.logsigmoid(-z))
