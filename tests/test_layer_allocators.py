@@ -14,6 +14,7 @@ from kvstack.methods.allocate.base import Plan
 from kvstack.methods.allocate.d2o import attention_spread, d2o_weights
 from kvstack.methods.allocate.prefix import importance_cdf, prefix_counts, token_importance
 from kvstack.methods.allocate.squeeze import kmeans_1d, squeeze_weights
+from kvstack.policy.policy import Policy
 from kvstack.stack import Stack
 
 
@@ -253,3 +254,30 @@ def test_a_whole_prompt_plan_scores_each_layer_once_and_keeps_the_same_tokens(ll
     step_logits(llama, twice, ids, [])
     assert len(calls) == 2 * n_layers
     assert all(torch.equal(a, b) for a, b in zip(held(once), held(twice), strict=True))
+
+
+def test_uneven_shares_evict_on_one_cadence_while_decoding(llama, monkeypatch):
+    """While decoding under an allocator's uneven shares, every head evicts the block of the
+    uniform share ahead (1/16 of it), at most half its own share: a layer globalk left few tokens
+    compresses about once a block, not at every few steps, and each head holds its share at each step."""
+    from test_cache import prompt
+
+    cache = KVCache(llama, "globalk(keydiff)", 0.25)
+    runner = Runner(llama, cache)
+    runner.forward(torch.tensor([prompt(512, seed=2)]), torch.ones(1, 512, dtype=torch.long))
+    shares = torch.stack([cache.policy.shares.keep_allowed(layer)[0] for layer in cache.layers])  # (L, h)
+    assert int(shares.min()) <= 64 and int(shares.max()) > 128  # uneven: a head at half the uniform 128
+    real, compressed = Policy.compress_layer, [0] * len(cache.layers)
+
+    def counted(self, layer, keep, decoding=False):
+        compressed[layer.layer_idx] += 1
+        return real(self, layer, keep, decoding)
+
+    monkeypatch.setattr(Policy, "compress_layer", counted)
+    steps = 40
+    for t in prompt(steps, seed=3):
+        runner.forward(torch.tensor([[t]]), torch.ones(1, 1, dtype=torch.long))
+        for layer in cache.layers:
+            assert bool((layer.counts()[0] <= cache.policy.shares.keep_allowed(layer)[0]).all())
+    block = 128 // 16  # the uniform share's block, at least 8 tokens (a head's own 64 would give 4)
+    assert max(compressed) <= steps // block + 1, compressed
