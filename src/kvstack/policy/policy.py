@@ -149,8 +149,8 @@ class Policy:
             for layer in self.cache.layers:
                 if layer.is_initialized:
                     self._maintain(layer, decoding=False)
-        finally:
-            self._prompt_scores = {}
+        finally:  # the plan's scores are not held past the compression they were computed for
+            self._prompt_scores, self.shares.plan = {}, None
 
     def _maintain(self, layer: CompressedLayer, decoding: bool) -> None:
         method = self.stack.evictor
