@@ -336,12 +336,13 @@ class Policy:
         counts = obs.valid.sum(-1)
         over = counts > keep  # heads within their share keep everything (batch-invariant)
         if decoding:  # evict a block ahead so the next steps fit (the budget holds at each of them)
-            block = decode_block(self.stack.every, keep)
             if self.stack.allocators:  # uneven shares: the uniform share sets one cadence for the cache
                 # (a layer an allocator left few tokens would otherwise compress every few steps),
                 # a head evicting at most half its own share ahead
                 uniform = self.shares.uniform(layer)[0].unsqueeze(1).expand_as(keep)
                 block = torch.minimum(decode_block(self.stack.every, uniform), (keep // 2).clamp(min=1))
+            else:
+                block = decode_block(self.stack.every, keep)
             keep = torch.maximum(keep - (block - 1), torch.clamp(counts, max=self.stack.min_tokens))
             # a sequence's heads that would pass their share within the block evict with it, so the
             # layer's heads stay in step: one compression per block, not one per head
