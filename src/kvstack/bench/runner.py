@@ -509,7 +509,7 @@ def _run_rivals(
             continue
         request = {
             "model": str(lm.folder),
-            **request_for(press, float(budget)),
+            **request_for(press, float(budget), str(lm.model.dtype).removeprefix("torch.")),
             "context": item.sample.context,
             "question": item.question.question,
             "answer_prefix": item.question.answer_prefix,

@@ -9,9 +9,14 @@ and talks to kvstack over JSON lines (`kvpress_worker.py`). Budgets map to kvpre
 
 `kvpress:keydiff+quanto2` runs the press over transformers' `QuantizedCache` (optimum-quanto,
 2 or 4 bits, its defaults: groups of 64, a 128-token full-precision residual): kvpress's own
-way to stack eviction and quantization. The byte budget then keeps budget / q of the tokens,
-q = (bits + 32 / 64) / 16 the bytes a bf16 value costs quantized with its group's scale and
-shift (2 bits: 0.156), so that, like kvstack's stacks, both rivals spend the same bytes.
+way to stack eviction and quantization. A quantized token costs q = (bits + 2 * w / 64) / w of a
+full one (w: the model dtype's bits; a scale and a shift per group, in that dtype), so the press
+keeps about budget / q of the context (2 bits in bf16: q = 0.156).
+
+The rival's model runs in kvstack's dtype, so a fraction of the full cache is the same bytes on
+both sides (kvstack loads float32 on CPUs without bf16: there a 4-bit code is an eighth of a full
+value, not a quarter). The worker sets the share of the context kept once the question is
+tokenized (`context_share`): the question's tokens are held whole beside it and count in the budget.
 """
 
 from __future__ import annotations
@@ -47,20 +52,25 @@ QUANTO = re.compile(r"^(?P<press>[a-z_]+)\+quanto(?P<bits>[24])$")
 QUANTO_GROUP, QUANTO_RESIDUAL = 64, 128
 
 
-def quanto_ratio(bits: int) -> float:
-    """Bytes of a bf16 value once quanto stores it: codes plus a bf16 scale and shift per group."""
-    return (bits + 2 * 16 / QUANTO_GROUP) / 16
+def quanto_ratio(bits: int, dtype_bits: int = 16) -> float:
+    """Bytes of a value once quanto stores it, over its bytes in the model's dtype (`dtype_bits`
+    wide): its code plus its share of the group's scale and shift, both in that dtype."""
+    return (bits + 2 * dtype_bits / QUANTO_GROUP) / dtype_bits
 
 
-def request_for(press: str, budget: float) -> dict[str, Any]:
-    """The worker's press, compression ratio and (for `P+quantoN`) quantized-cache settings at a byte budget."""
+def request_for(press: str, budget: float, dtype: str = "bfloat16") -> dict[str, Any]:
+    """The worker's press, byte budget, dtype, a kept token's share of a full token's bytes and
+    (for `P+quantoN`) the quantized cache's settings."""
+    import torch
+
+    request: dict[str, Any] = {"press": press, "budget": budget, "dtype": dtype, "token_share": 1.0}
     quanto = QUANTO.match(press)
     if quanto is None:
-        return {"press": press, "ratio": 1.0 - budget}
+        return request
     bits = int(quanto["bits"])
-    keep = min(1.0, budget / quanto_ratio(bits))
     settings = {"nbits": bits, "group": QUANTO_GROUP, "residual": QUANTO_RESIDUAL}
-    return {"press": quanto["press"], "ratio": 1.0 - keep, "quantized": settings}
+    share = quanto_ratio(bits, getattr(torch, dtype).itemsize * 8)
+    return request | {"press": quanto["press"], "token_share": share, "quantized": settings}
 
 
 def presses_for(rival: str, methods: tuple[str, ...]) -> list[str]:
