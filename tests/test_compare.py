@@ -135,6 +135,24 @@ def test_rows_from_two_machines_are_named_and_the_command_warns(tmp_path):
     assert result.exit_code == 0 and "come from 2 machines" in text and "elsewhere" in text
 
 
+def test_full_caches_of_other_sizes_are_named_and_the_command_warns(tmp_path):
+    """A rival in bf16 beside a float32 model: the same fraction is half the bytes."""
+    data = rows("auto", "0.125", "qa", [1, 0]) + rows("a", "0.125", "qa", [1, 1])
+    for r in data:
+        r["kv_bytes_full"] = 4000 if r["method"] == "auto" else 2000
+    (c,) = compare(data, "auto")
+    assert c.full_bytes == (4000.0, 2000.0) and not c.same_bytes
+    (near,) = compare([{**r, "kv_bytes_full": 2040 if r["method"] == "a" else 2000} for r in data], "auto")
+    assert near.same_bytes  # a question tokenized a little differently: within 5%
+    store = stored(tmp_path, {"auto": [1.0] * 4, "kvzip": [0.0] * 4})
+    store.db.execute("UPDATE results SET kv_bytes = 1, kv_bytes_full = 4194304 WHERE method = 'auto'")
+    store.db.execute("UPDATE results SET kv_bytes = 1, kv_bytes_full = 2097152 WHERE method = 'kvzip'")
+    store.db.commit(), store.close()
+    result = CliRunner().invoke(app, ["compare", str(tmp_path)], terminal_width=200)
+    text = " ".join(result.stdout.split())
+    assert result.exit_code == 0 and "hold 4.0 MiB against 2.0 MiB" in text and "one dtype" in text
+
+
 def test_piped_into_a_file_a_row_stays_on_one_line(tmp_path):
     """Without a terminal (a log, `| less`) rich would wrap the table at 80 columns, a long stack
     name over seven lines; kvstack prints up to 160."""

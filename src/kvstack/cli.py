@@ -597,6 +597,13 @@ def _compare_tables(out_dir: Path, method: str, within: bool, against: str | Non
                 f"{len(names)} machines ({'; '.join(names)}): answers can differ in the last bits, so re-run "
                 "both stacks in one sweep on one machine"
             )
+        apart = [c for c in found + fair if c.group == group and not c.same_bytes]
+        for c in dict((c.budget, c) for c in apart).values():
+            sizes = " against ".join(f"{b / 2**20:.1f} MiB" for b in c.full_bytes)
+            tables.append(
+                f"[yellow]note[/]: at {c.budget} the full caches compared hold {sizes} ({c.method} against "
+                f"{c.rival}): a fraction of each is not the same bytes (another dtype?); run both in one dtype"
+            )
     return tables
 
 

@@ -40,6 +40,13 @@ class Comparison:
     high: float
     pairs: int
     machines: tuple[str, ...] = ()  # what computed the two stacks' rows (`store.machine`)
+    full_bytes: tuple[float, ...] = ()  # each side's mean full-cache bytes (another dtype: other bytes)
+
+    @property
+    def same_bytes(self) -> bool:
+        """Whether a fraction of the budget is the same bytes on both sides: their full caches
+        within 5% of each other (a rival run in bf16 beside a float32 model holds half the bytes)."""
+        return len(self.full_bytes) < 2 or max(self.full_bytes) <= 1.05 * min(self.full_bytes)
 
     @property
     def difference(self) -> float:
@@ -101,10 +108,13 @@ def compare(
     scores: dict[Key, dict[str, Scores]] = defaultdict(lambda: defaultdict(lambda: defaultdict(dict)))
     ratios: dict[tuple[Key, str, str], list[float]] = defaultdict(list)
     machines: dict[tuple[Key, str, str], set[str]] = defaultdict(set)
+    full: dict[tuple[Key, str, str], list[float]] = defaultdict(list)
     for r in rows:
         group = (r["model"], r["mode"], r["length"])
         scores[group][r["budget"]][(r["method"], r["task"])][(r["sample"], r["question"])] = float(r["score"])
         machines[(group, r["budget"], r["method"])].add(r.get("machine") or UNKNOWN)
+        if r.get("kv_bytes_full"):
+            full[(group, r["budget"], r["method"])].append(float(r["kv_bytes_full"]))
         if r["task"] == "fidelity" and r["kv_ratio"] is not None:
             ratios[(group, r["budget"], r["method"])].append(float(r["kv_ratio"]))
     out = []
@@ -130,8 +140,10 @@ def compare(
             count = sum(len(p) for p in pairs.values())
             means = task_mean(pairs, 0), task_mean(pairs, 1)
             ran = set().union(*(machines[(group, budget, m)] for m in (method, *stacks)))
+            sizes = tuple(statistics.fmean(full[key]) for m in (method, *stacks) if full[key := (group, budget, m)])
             rival = " / ".join(stacks)
-            out.append(Comparison(group, budget, method, rival, tasks, *means, low, high, count, tuple(sorted(ran))))
+            c = Comparison(group, budget, method, rival, tasks, *means, low, high, count, tuple(sorted(ran)), sizes)
+            out.append(c)
     return out
 
 
