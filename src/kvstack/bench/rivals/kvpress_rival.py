@@ -15,8 +15,8 @@ keeps about budget / q of the context (2 bits in bf16: q = 0.156).
 
 The rival's model runs in kvstack's dtype, so a fraction of the full cache is the same bytes on
 both sides (kvstack loads float32 on CPUs without bf16: there a 4-bit code is an eighth of a full
-value, not a quarter). The worker sets the share of the context kept once the question is
-tokenized (`context_share`): the question's tokens are held whole beside it and count in the budget.
+value, not a quarter). As in kvstack, the budget is the compressed context's: the question's
+tokens, appended after it, are held whole beside it and not counted.
 """
 
 from __future__ import annotations
@@ -59,18 +59,17 @@ def quanto_ratio(bits: int, dtype_bits: int = 16) -> float:
 
 
 def request_for(press: str, budget: float, dtype: str = "bfloat16") -> dict[str, Any]:
-    """The worker's press, byte budget, dtype, a kept token's share of a full token's bytes and
-    (for `P+quantoN`) the quantized cache's settings."""
+    """The worker's press, compression ratio (share of the context's tokens removed), dtype and
+    (for `P+quantoN`) the quantized cache's settings, at a byte budget."""
     import torch
 
-    request: dict[str, Any] = {"press": press, "budget": budget, "dtype": dtype, "token_share": 1.0}
     quanto = QUANTO.match(press)
     if quanto is None:
-        return request
+        return {"press": press, "ratio": 1.0 - budget, "dtype": dtype}
     bits = int(quanto["bits"])
+    keep = min(1.0, budget / quanto_ratio(bits, getattr(torch, dtype).itemsize * 8))
     settings = {"nbits": bits, "group": QUANTO_GROUP, "residual": QUANTO_RESIDUAL}
-    share = quanto_ratio(bits, getattr(torch, dtype).itemsize * 8)
-    return request | {"press": quanto["press"], "token_share": share, "quantized": settings}
+    return {"press": quanto["press"], "ratio": 1.0 - keep, "dtype": dtype, "quantized": settings}
 
 
 def presses_for(rival: str, methods: tuple[str, ...]) -> list[str]:

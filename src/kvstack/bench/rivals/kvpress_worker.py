@@ -1,15 +1,13 @@
 """Runs inside kvpress's own virtual environment (it never imports kvstack): JSON lines in, JSON lines out.
 
-One request per line: {"model", "dtype", "press", "budget", "token_share", "context", "question",
-"answer_prefix", "max_new_tokens", "aware", "quantized"?}; with "quantized": {"nbits", "group",
-"residual"} the press runs over transformers' `QuantizedCache` (optimum-quanto backend) instead of
-a `DynamicCache`, and its packed tensors, scales and shifts are counted. The model runs in kvstack's
+One request per line: {"model", "dtype", "press", "ratio", "context", "question", "answer_prefix",
+"max_new_tokens", "aware", "quantized"?}; with "quantized": {"nbits", "group", "residual"} the
+press runs over transformers' `QuantizedCache` (optimum-quanto backend) instead of a
+`DynamicCache`, and its packed tensors, scales and shifts are counted. The model runs in kvstack's
 dtype ("float32" on CPUs without bf16), so a fraction of the full cache is the same bytes on both
-sides, and the press keeps the share of the context (`context_share`) that leaves room for the
-question's tokens, which the cache holds uncompressed beside it. kvpress's own pipeline
-pieces do the work (chat template, prefill under the press, greedy answer); bytes are read off
-the cache's tensors after the prompt, as kvstack measures its own, so head-wise presses that
-mask instead of evicting show it.
+sides. kvpress's own pipeline pieces do the work (chat template, prefill under the press, greedy
+answer); bytes are read off the cache's tensors after the prompt, as kvstack measures its own, so
+head-wise presses that mask instead of evicting show it.
 """
 
 from __future__ import annotations
@@ -42,7 +40,7 @@ EAGER = {
     "observed_attention",
     "merging_observed_attention",
 }  # needs attention weights, so the model runs eager attention
-_pipes: dict[tuple[str, str], Any] = {}
+_pipes: dict[tuple[str, str, str], Any] = {}
 
 
 def pipeline_for(model: str, attn: str, dtype: str = "bfloat16") -> Any:
@@ -58,16 +56,6 @@ def pipeline_for(model: str, attn: str, dtype: str = "bfloat16") -> Any:
             model_kwargs={"attn_implementation": attn},
         )
     return _pipes[(model, attn, dtype)]
-
-
-def context_share(budget: float, token_share: float, n_context: int, n_question: int) -> float:
-    """Share of the context's tokens to keep so that they (each costing `token_share` of a full
-    token's bytes) and the question's tokens (held whole) fill `budget` of the full cache's bytes
-    over n_context + n_question tokens; at most 1. Raises ValueError when the question alone is over."""
-    share = (budget * (n_context + n_question) - n_question) / (token_share * n_context)
-    if share <= 0:
-        raise ValueError(f"a budget of {budget} cannot hold the question's {n_question} tokens beside the context")
-    return min(1.0, share)
 
 
 def tensor_bytes(x: Any) -> int:
@@ -98,19 +86,13 @@ def run(req: dict[str, Any]) -> dict[str, Any]:
     name = req["press"]
     pipe = pipeline_for(req["model"], "eager" if name in EAGER else "sdpa", req.get("dtype", "bfloat16"))
     model, tok = pipe.model, pipe.tokenizer
-    context = req["context"] + ("\n\n" + req["question"] if req["aware"] else "")
-    question = "" if req["aware"] else req["question"]
-    inputs = pipe.preprocess(context, [question], req["answer_prefix"], max_context_length=10**9)
-    context_ids, question_ids = inputs["context_ids"], inputs["questions_ids"][0]
-    n = context_ids.shape[1]
-    ratio = 1.0 - context_share(req["budget"], req["token_share"], n, question_ids.shape[1])
     if name == "adakv":
-        press = kvpress.AdaKVPress(press=kvpress.SnapKVPress(compression_ratio=ratio))
+        press = kvpress.AdaKVPress(press=kvpress.SnapKVPress(compression_ratio=req["ratio"]))
     elif name.startswith("merging_"):
-        scorer = getattr(kvpress, PRESSES[name.removeprefix("merging_")])(compression_ratio=ratio)
+        scorer = getattr(kvpress, PRESSES[name.removeprefix("merging_")])(compression_ratio=req["ratio"])
         press = kvpress.MergingPress(press=scorer)
     else:
-        press = getattr(kvpress, PRESSES[name])(compression_ratio=ratio)
+        press = getattr(kvpress, PRESSES[name])(compression_ratio=req["ratio"])
     spent = {"compress": 0.0}
     compress = press.compress
 
@@ -121,6 +103,10 @@ def run(req: dict[str, Any]) -> dict[str, Any]:
         return out
 
     press.compress = timed
+    context = req["context"] + ("\n\n" + req["question"] if req["aware"] else "")
+    question = "" if req["aware"] else req["question"]
+    inputs = pipe.preprocess(context, [question], req["answer_prefix"], max_context_length=10**9)
+    context_ids, question_ids = inputs["context_ids"], inputs["questions_ids"][0]
     quantized = req.get("quantized")
     if quantized:
         from transformers import QuantizedCache
@@ -141,6 +127,7 @@ def run(req: dict[str, Any]) -> dict[str, Any]:
             prefill = time.perf_counter() - start
             prefill -= spent["compress"]  # presses that compress inside the forward (hooks)
         spent["compress"] = time.perf_counter() - start - prefill  # + KVzip, which scores and prunes on exit
+        n = context_ids.shape[1]
         positions = torch.arange(n, n + question_ids.shape[1]).unsqueeze(0)
         out = model(input_ids=question_ids, past_key_values=cache, position_ids=positions, logits_to_keep=1)
         kv_bytes = cache_bytes(cache)
