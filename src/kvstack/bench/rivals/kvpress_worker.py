@@ -43,7 +43,7 @@ EAGER = {
 _pipes: dict[tuple[str, str, str], Any] = {}
 
 
-def pipeline_for(model: str, attn: str, dtype: str = "bfloat16") -> Any:
+def pipeline_for(model: str, attn: str, dtype: str) -> Any:
     import kvpress  # noqa: F401  (registers the pipeline)
     import torch
     from transformers import pipeline
@@ -84,7 +84,7 @@ def run(req: dict[str, Any]) -> dict[str, Any]:
     from transformers import DynamicCache
 
     name = req["press"]
-    pipe = pipeline_for(req["model"], "eager" if name in EAGER else "sdpa", req.get("dtype", "bfloat16"))
+    pipe = pipeline_for(req["model"], "eager" if name in EAGER else "sdpa", req["dtype"])
     model, tok = pipe.model, pipe.tokenizer
     if name == "adakv":
         press = kvpress.AdaKVPress(press=kvpress.SnapKVPress(compression_ratio=req["ratio"]))
