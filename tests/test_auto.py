@@ -85,12 +85,14 @@ def test_held_bytes_by_hand():
 
 def test_turboquant_storage_by_hand():
     """t3 at head_dim 64: 24 bytes of codes + a float16 norm, keys and values alike, + the slot; no
-    groups, but tokens beyond the residual window are coded 8 at a time (the rest wait plain)."""
+    groups. Tokens are coded 8 at a time while decoding, so the window holds max(residual, 7)
+    plain tokens, all of them right after a compression (`kvstack.cache.window`)."""
     storage = Storage.from_text("t3+r0")
     assert storage.rule == "turbo" and str(storage) == "t3+r0" and str(Storage.parse("t4/2", 32)) == "t4/2+r32"
-    assert held_bytes(100, storage, 64, 256, 4) == 96 * (26 + 26 + 4) + 4 * 260
-    assert held_bytes(100, Storage.from_text("t3+r32"), 64, 256, 4) == 64 * 56 + 36 * 260
+    assert held_bytes(100, storage, 64, 256, 4) == 93 * (26 + 26 + 4) + 7 * 260
+    assert held_bytes(100, Storage.from_text("t3+r32"), 64, 256, 4) == 68 * 56 + 32 * 260
     assert cost(storage, 64, 256, 4).kept == 56 and cost(storage, 64, 256, 4).residual == 7
+    assert cost(Storage.from_text("t3+r32"), 64, 256, 4).residual == 32
     with pytest.raises(UserError, match="t3"):
         Storage.parse("t16")
 

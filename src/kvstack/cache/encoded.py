@@ -40,6 +40,9 @@ class Codec:
 
     bits: int = 16
     token_group: int = 1  # tokens the cache encodes at once, sharing a row of group tensors if any
+    # its `token_group` only batches calls, nothing is shared between the tokens: the cache may
+    # code fewer at once where the budget needs it (`kvstack.cache.window`)
+    batches_only: bool = False
     # its codes can be decoded, turned to new positions and encoded again on their own (a cache
     # joined after another: kvstack.cache.join); not so for codes that read other layers' tables
     # or their tokens' positions

@@ -423,7 +423,7 @@ class Planner:
         self._keep = tokens_kept(self._shares[1], rooms.T, self._costs, self.stage.min_tokens)
         return self._shares[1]
 
-    def encode(self, policy: Any, layer: CompressedLayer) -> None:
+    def encode(self, policy: Any, layer: CompressedLayer, decoding: bool) -> None:
         """The policy's `encode` under the plan: each head by its own storage and residual window."""
         assert self.plan is not None
         heads = self._codecs.get(layer.layer_idx)
@@ -431,7 +431,8 @@ class Planner:
             storages = [self.plan.storage(layer.layer_idx, h) for h in range(layer.n_kv_heads)]
             heads = [(st, codecs(st, layer.keys[h].shape[-1])) for h, st in enumerate(storages)]
             self._codecs[layer.layer_idx] = heads
-        counts = [coded_count(layer.keys[h].shape[1], st) if pair else 0 for h, (st, pair) in enumerate(heads)]
+        plain = [layer.keys[h].shape[1] for h in range(len(heads))]
+        counts = [coded_count(n, st, decoding) if pair else 0 for n, (st, pair) in zip(plain, heads, strict=True)]
         if max(counts) <= 0:  # most decoding steps: no head has a whole group to encode
             return
         started = policy.clock.start(layer.keys[0].device)

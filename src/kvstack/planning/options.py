@@ -11,6 +11,7 @@ from functools import cache
 from kvstack.cache.budget import Cost
 from kvstack.cache.encoded import Codec, Uniform
 from kvstack.cache.packing import check_bits, packed_size
+from kvstack.cache.window import plain_window, to_encode
 from kvstack.errors import UserError
 from kvstack.methods.quantize.turboquant import TurboCodec
 
@@ -76,9 +77,13 @@ def codecs(storage: Storage, head_dim: int) -> tuple[Codec, Codec] | None:
     return Uniform(storage.key_bits, "channel", GROUP), Uniform(storage.value_bits, "token", group)
 
 
-def group_of(storage: Storage) -> int:
-    """Tokens a head encodes together under `storage` (KIVI's key groups; TurboQuant's batches)."""
-    return GROUP if storage.rule == "kivi" else TurboCodec(storage.key_bits).token_group
+def group_of(storage: Storage) -> tuple[int, bool]:
+    """Tokens a head encodes together under `storage` and whether the group only batches calls
+    (KIVI's key groups share scales; TurboQuant's batches share nothing: `kvstack.cache.window`)."""
+    if storage.rule == "kivi":
+        return GROUP, False
+    codec = TurboCodec(storage.key_bits)
+    return codec.token_group, codec.batches_only
 
 
 def cost(storage: Storage, head_dim: int, full: int, slot: int) -> Cost:
@@ -88,16 +93,15 @@ def cost(storage: Storage, head_dim: int, full: int, slot: int) -> Cost:
     if pair is None:
         return Cost(full, full + slot)
     kept = sum(c.token_bytes(head_dim) for c in pair) + slot
-    return Cost(full, kept, storage.residual + group_of(storage) - 1, full + slot)
+    return Cost(full, kept, plain_window(storage.residual, *group_of(storage)), full + slot)
 
 
-def coded_count(kept: int, storage: Storage) -> int:
-    """Tokens of `kept` that are held encoded right after a compression: the oldest, in whole
-    groups, beyond the residual window (what `KVCache.encode` does)."""
+def coded_count(kept: int, storage: Storage, decoding: bool = False) -> int:
+    """Tokens of `kept` held encoded once the head is coded (right after a compression unless
+    `decoding`): the oldest, beyond the residual window, as `kvstack.cache.window` says."""
     if storage.plain:
         return 0
-    group = group_of(storage)
-    return max(kept - storage.residual, 0) // group * group
+    return to_encode(kept, storage.residual, *group_of(storage), decoding)
 
 
 def held_bytes(kept: int, storage: Storage, head_dim: int, full: int, slot: int) -> float:

@@ -107,7 +107,7 @@ class Policy:
         """`maintain` for one layer on its own: evict to the budget, encode the oldest."""
         method = self.stack.evictor
         if method is None or self.budget.is_full:
-            self.encode(layer)
+            self.encode(layer, decoding)
             return
         if self.waiting:
             if decoding:
@@ -156,7 +156,7 @@ class Policy:
         method = self.stack.evictor
         assert method is not None
         if decoding and layer.seen <= layer.next_check:  # no head can exceed its share yet
-            self.encode(layer)
+            self.encode(layer, decoding)
             return
         keep = method.limit(self.shares.keep_allowed(layer), decoding, self.cache.confidence)
         if self.stack.retriever is not None:
@@ -173,7 +173,7 @@ class Policy:
             slack = int((keep - counts).min())
             slack -= self.shares.planner is not None  # a plan's bisection may round a share down by a token
             layer.next_check = layer.seen + slack
-        self.encode(layer)
+        self.encode(layer, decoding)
 
     def resident(self, layer: CompressedLayer, keep: torch.Tensor) -> torch.Tensor:
         """(b, h) tokens a head of `layer` keeps resident under a retriever, its budget's `keep`
@@ -274,16 +274,16 @@ class Policy:
             and all(type(m).limit is Method.limit for m in evictor.chain() if isinstance(m, Method))
         )
 
-    def encode(self, layer: CompressedLayer) -> None:
+    def encode(self, layer: CompressedLayer, decoding: bool) -> None:
         """Encode each head's oldest tokens held in the model's dtype beyond the quantizer's residual
-        window, in whole groups (the quantizer's token group)."""
-        quantizer, group = self.stack.quantizer, self.shares.token_group
+        window, as `kvstack.cache.window` says (whole groups; a batched group cut short after a prompt)."""
+        quantizer = self.stack.quantizer
         if self.shares.planner is not None and self.shares.planner.plan is not None and layer.is_initialized:
-            self.shares.planner.encode(self, layer)
+            self.shares.planner.encode(self, layer, decoding)
             return
         if self.shares.codecs is None or not layer.is_initialized:
             return
-        counts = [(layer.keys[h].shape[1] - quantizer.residual) // group * group for h in range(layer.n_kv_heads)]
+        counts = [self.shares.to_encode(layer.keys[h].shape[1], decoding) for h in range(layer.n_kv_heads)]
         if max(counts) <= 0:  # most steps: no whole group yet, and no clock to read
             return
         started = self.clock.start(layer.keys[0].device)

@@ -14,6 +14,7 @@ import torch
 
 from kvstack.cache.budget import Budget, Cost, full_precision_room, size_text, tokens_to_keep, unaffordable
 from kvstack.cache.encoded import Codec
+from kvstack.cache.window import plain_window, to_encode
 from kvstack.errors import UserError
 from kvstack.methods.allocate.base import Plan, distribute
 from kvstack.stack import Stack
@@ -146,13 +147,19 @@ class Shares:
                 f"pays for at {n_full} tokens: use smaller tables (e.g. cq(channels=2)) or a larger budget"
             )
         affordable = full_precision_room(budget, n_full, cost)
-        group = self.token_group
-        fits = [r for r in (128, 64, 32, 16, 8, 0) if r + group - 1 <= affordable / 2 and r < quantizer.residual]
+        group, batched = self.token_group, self.batches_only
+        fits = [
+            r
+            for r in (128, 64, 32, 16, 8, 0)
+            if plain_window(r, group, batched) <= affordable / 2 and r < quantizer.residual
+        ]
         fits = fits or ([0] if quantizer.residual > 0 else [])  # the smallest window, the last thing to try
         fix = f"use {quantizer.name}(residual={fits[0]}) or a larger budget" if fits else "use a larger budget"
+        waiting = plain_window(quantizer.residual, group, batched) - quantizer.residual
         raise UserError(
-            f"{quantizer.name}'s residual window ({quantizer.residual} tokens, + {group - 1} waiting for a full "
-            f"group) is larger than budget {self.budget} at {n_full} tokens ({affordable:.0f} tokens at full "
+            f"{quantizer.name}'s residual window ({quantizer.residual} tokens"
+            + (f", + {waiting} waiting for a full group" if waiting else "")
+            + f") is larger than budget {self.budget} at {n_full} tokens ({affordable:.0f} tokens at full "
             f"precision): {fix}"
         )
 
@@ -169,7 +176,7 @@ class Shares:
             else:
                 d = layer.keys[0].shape[-1]
                 kept = sum(c.token_bytes(d) for c in self.codecs) + slot
-                residual = self.stack.quantizer.residual + self.token_group - 1
+                residual = plain_window(self.stack.quantizer.residual, self.token_group, self.batches_only)
                 dropped = sum(c.token_bytes(d) for c in self.demote_codecs) + slot if self.demote_codecs else 0.0
                 fixed = sum(c.fixed_bytes(d) for c in (*self.codecs, *(self.demote_codecs or ())))
                 self._cost = Cost(full, kept, residual, full + slot, dropped, fixed)
@@ -179,6 +186,16 @@ class Shares:
     def token_group(self) -> int:
         """Tokens the quantizer encodes together (a group shares metadata); 1 without one."""
         return max((c.token_group for c in self.codecs), default=1) if self.codecs else 1
+
+    @property
+    def batches_only(self) -> bool:
+        """True when the quantizer's groups only batch calls (`kvstack.cache.window`)."""
+        return bool(self.codecs) and all(c.batches_only for c in self.codecs)
+
+    def to_encode(self, plain: int, decoding: bool) -> int:
+        """How many of a head's `plain` tokens held in the model's dtype to code now."""
+        residual = self.stack.quantizer.residual
+        return to_encode(plain, residual, self.token_group, self.batches_only, decoding)
 
     def n_exempt(self, layer: CompressedLayer, seen: int | None = None) -> torch.Tensor:
         """(b,) exempt real tokens among the first `seen` slots."""

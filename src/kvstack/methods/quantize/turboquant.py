@@ -14,7 +14,8 @@ the MSE codes. The rotation is `rotation`'s randomized Hadamard.
 Reference read: the paper (arXiv 2504.19874). Deviations: a randomized Hadamard rotation
 instead of a dense random one (the same coordinate law for vectors that are not adversarial);
 the paper's split of outlier channels into a second instance (its 2.5 and 3.5 bits) is not
-done; the newest `residual` tokens stay in the model's dtype as in KIVI (default 128). The
+done; the newest `residual` tokens stay in the model's dtype as in KIVI (default 128; while
+decoding the window empties by `every` once full, so `residual - every + 1` to `residual`). The
 levels are a data type like float16's, computed from (d, b) alone, so they are not counted.
 Attention reads the codes in place (`kvstack.cache.levels`: the query turned once, each token's
 levels looked up a chunk at a time by a C kernel), except with `qjl` or `center`.
@@ -109,6 +110,7 @@ class TurboCodec(Codec):
         self.bits, self.qjl, self.seed, self.center, self.every = bits, qjl, seed, center, every
         self.mse_bits = bits - 1 if qjl else bits
         self.token_group = center or every
+        self.batches_only = not center  # a run's mean is shared by its tokens; nothing else is
 
     def __repr__(self) -> str:
         return f"TurboCodec({self.bits}{', qjl' if self.qjl else ''}{f', center={self.center}' if self.center else ''})"
@@ -195,7 +197,8 @@ class TurboQuant(Quantizer):
     """Keys and values at `bits` bits on Lloyd-Max levels after a random rotation; `v`: the
     values' bits when not the keys'; `qjl`: keys spend one bit on QJL for unbiased inner
     products (TurboQuant_prod); `every`: tokens coded at once past the residual window (1: each
-    as it comes, as the paper does; the budget counts the `every` - 1 that may wait)."""
+    as it comes, as the paper does; the window is then `max(residual, every - 1)` tokens, full
+    after a prompt, emptied `every` at a time while decoding: `kvstack.cache.window`)."""
 
     name = "turboquant"
     paper = "TurboQuant"
