@@ -70,7 +70,8 @@ def test_a_tokens_gate_never_changes_once_written(gated):
 
 def test_the_window_and_sinks_are_held_and_the_rest_admitted_by_gate(gated):
     """At prefill, each head holds its 4 sinks, its 8 newest tokens (the local cache) and, of the
-    others, those of highest gate: the definition, with gates computed from a full cache."""
+    others, those of highest gate: the definition, with gates computed from a full cache. A token
+    repeated in the prompt has the same gate at layer 0, so ties are taken either way."""
     model, predictor = gated
     ids, keep = prompt(64, seed=5), 32
     full = prefill(model, torch.tensor(ids))
@@ -81,9 +82,10 @@ def test_the_window_and_sinks_are_held_and_the_rest_admitted_by_gate(gated):
         for h in range(layer.n_kv_heads):
             held = set(layer.dense_slots()[0, h].tolist())
             always = set(range(4)) | set(range(56, 64))
-            middle = torch.arange(4, 56)
-            best = middle[gates[h, 4:56].argsort(descending=True)[: keep - len(always)]].tolist()
-            assert held == always | set(best), (i, h)
+            admitted = sorted(held - always)
+            left = sorted(set(range(4, 56)) - held)
+            assert always <= held and len(admitted) == keep - len(always), (i, h)
+            assert float(gates[h, admitted].min()) >= float(gates[h, left].max()) - 1e-6, (i, h)
 
 
 def test_a_window_larger_than_the_budget_keeps_the_newest_that_fit(gated):
