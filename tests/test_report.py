@@ -130,6 +130,11 @@ def test_rivals_share_their_papers_colour_and_sit_beside_it(tmp_path):
     stacks = line_styles(["kvzip", "kvzip+kivi", "kvzip+kivi(residual=32)", "kvpress:kvzip"])
     assert len({stacks[m]["color"] for m in ("kvzip", "kvzip+kivi", "kvzip+kivi(residual=32)")}) == 3
     assert stacks["kvpress:kvzip"]["color"] == stacks["kvzip"]["color"]
+    # two settings of one paper share its colour, each with its own marker and dashes
+    autos = line_styles(["auto", "auto(bits=('16', 't4'))", "kvpress:snapkv"])
+    assert autos["auto"]["color"] == autos["auto(bits=('16', 't4'))"]["color"]
+    assert autos["auto"]["marker"] != autos["auto(bits=('16', 't4'))"]["marker"]
+    assert autos["auto"]["linestyle"] == "-" != autos["auto(bits=('16', 't4'))"]["linestyle"]
 
 
 def test_fidelity_is_reported_apart_from_the_mean_over_answer_tasks(tmp_path):

@@ -173,19 +173,28 @@ def plotted(points: list[Point], top: int = PLOT_LINES) -> list[str]:
     return best + [r for r in rivals if paper_of(r) in papers or paper_of(r) == r]
 
 
+MARKERS = ("o", "s", "^", "D", "v", "P")  # kvstack lines of one paper, in turn (`auto` and `auto(bits=...)`)
+LINES = ("-", "-.", ":", (0, (5, 1)), (0, (3, 1, 1, 1)), (0, (1, 1)))
+
+
 def line_styles(methods: list[str]) -> dict[str, dict[str, Any]]:
-    """One colour per paper: kvstack's line solid with dots, kvpress's counterpart dashed with crosses."""
+    """One colour per paper: kvstack's line solid with dots, kvpress's counterpart dashed with
+    crosses; a paper's other kvstack lines (other settings) each with their own marker and dashes."""
     from matplotlib import colormaps
 
     papers = dict.fromkeys(paper_of(m) for m in methods)
     palette = colormaps["tab10" if len(papers) <= 10 else "tab20"].colors
     colours: dict[str, Any] = {}
+    drawn: dict[str, int] = {}  # kvstack lines of each paper so far
     styles = {}
     for method in methods:
-        rival = method.startswith("kvpress:")
         paper = paper_of(method)
         colour = colours.setdefault(paper, palette[len(colours) % len(palette)])
-        styles[method] = {"color": colour, "marker": "x" if rival else "o", "linestyle": "--" if rival else "-"}
+        if method.startswith("kvpress:"):
+            styles[method] = {"color": colour, "marker": "x", "linestyle": "--"}
+            continue
+        k = drawn[paper] = drawn.get(paper, -1) + 1
+        styles[method] = {"color": colour, "marker": MARKERS[k % len(MARKERS)], "linestyle": LINES[k % len(LINES)]}
     return styles
 
 
