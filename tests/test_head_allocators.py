@@ -156,10 +156,26 @@ def test_a_models_calibrations_do_not_depend_on_where_it_was_loaded_from():
 
     a, b = tiny_llama(seed=0), tiny_llama(seed=0)
     a.config.name_or_path, b.config.name_or_path = "/root/.cache/kvstack/gguf", "/root/.cache/kvstack/models/x"
-    assert calibrate.model_key(a) == calibrate.model_key(b)
+    assert calibrate.model_key(a) == calibrate.model_key(b)  # b's key is memoised from here on
     with torch.no_grad():
         next(p for n, p in b.named_parameters() if "layers.1.self_attn.q_proj" in n).add_(1e-3)
     assert calibrate.model_key(a) != calibrate.model_key(b)  # a later layer's queries tell models apart too
+
+
+def test_a_models_key_is_hashed_once_until_its_weights_change(monkeypatch):
+    from kvstack.calibrate import store
+    from tiny import tiny_llama
+
+    model, hashed = tiny_llama(seed=0), []
+    real = store.weights_ident
+    monkeypatch.setattr(store, "weights_ident", lambda probes: hashed.append(1) or real(probes))
+    first = calibrate.model_key(model)
+    assert calibrate.model_key(model) == first and len(hashed) == 1
+    with torch.no_grad():  # an in-place change moves the tensor's version: hashed again
+        next(p for n, p in model.named_parameters() if "q_proj" in n).mul_(2)
+    assert calibrate.model_key(model) != first and len(hashed) == 2
+    model._kvstack_prefix = (2,)  # so does a prompt prefix
+    assert calibrate.model_key(model) != first and len(hashed) == 3
 
 
 def test_a_models_calibrations_do_not_depend_on_its_dtype():

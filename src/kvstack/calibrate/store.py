@@ -22,6 +22,7 @@ import os
 import re
 import sys
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -57,23 +58,42 @@ def _probes(model: Any) -> list[torch.Tensor]:
     return found or [next(model.parameters())]
 
 
+# model -> (what its key was computed from: prefix, each probe's storage and version; the key):
+# a cache is built per sweep cell and reads the key several times (10 ms each on SmolLM2)
+_KEYS: weakref.WeakKeyDictionary[Any, tuple[tuple[Any, ...], str]] = weakref.WeakKeyDictionary()
+
+
 def model_key(model: Any) -> str:
     """`<model type>-<12 hex>`: a hash of the model's shape and query weights. Not its name, folder
     or dtype: the first load of a packaged model (from its GGUF) and every later one (from the
-    converted folder), in bfloat16 or float32, share their tables, as the same weights anywhere do."""
+    converted folder), in bfloat16 or float32, share their tables, as the same weights anywhere do.
+    Memoised per model until a probed weight changes (its tensor version moves)."""
+    probes, prefix = _probes(model), prompt_prefix(model)
+    stamp = (tuple(prefix), *((p.data_ptr(), p._version, p.dtype) for p in probes))
+    memo = _KEYS.get(model)
+    if memo is not None and memo[0] == stamp:
+        return memo[1]
     config = text_config(model.config)
     layers = config.num_hidden_layers
     kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     ident = f"{config.model_type}|{layers}|{kv}"
-    prefix = prompt_prefix(model)
     if prefix:  # tables are measured on rows starting with it
         ident += f"|prefix{prefix}"
-    for probe in _probes(model):
-        # rounded to bfloat16 first: a float32 load (a CPU without bf16) names the same weights as a bf16 one
+    ident += weights_ident(probes)
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "_", str(config.model_type))[-48:]
+    key = f"{slug}-{hashlib.sha1(ident.encode()).hexdigest()[:12]}"
+    _KEYS[model] = (stamp, key)
+    return key
+
+
+def weights_ident(probes: list[torch.Tensor]) -> str:
+    """The probed weights' shapes and sums, rounded to bfloat16 first: a float32 load (a CPU
+    without bf16) names the same weights as a bf16 one."""
+    ident = ""
+    for probe in probes:
         w = probe.detach().to(torch.bfloat16).double()
         ident += f"|{tuple(w.shape)}|{float(w.sum()):.12e}|{float(w.abs().sum()):.12e}"
-    slug = re.sub(r"[^A-Za-z0-9._-]+", "_", str(config.model_type))[-48:]
-    return f"{slug}-{hashlib.sha1(ident.encode()).hexdigest()[:12]}"
+    return ident
 
 
 def calibrated(model: Any, kind: str, compute: Callable[[Any], torch.Tensor]) -> torch.Tensor:
