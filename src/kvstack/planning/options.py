@@ -77,6 +77,7 @@ def codecs(storage: Storage, head_dim: int) -> tuple[Codec, Codec] | None:
     return Uniform(storage.key_bits, "channel", GROUP), Uniform(storage.value_bits, "token", group)
 
 
+@cache  # read per head at every decoding step under a plan
 def group_of(storage: Storage) -> tuple[int, bool]:
     """Tokens a head encodes together under `storage` and whether the group only batches calls
     (KIVI's key groups share scales; TurboQuant's batches share nothing: `kvstack.cache.window`)."""
